@@ -1,0 +1,110 @@
+"""The device interface: every fact about a device lives behind these methods.
+
+One subclass per device (cpu.py, cuda.py, mps.py, hpu.py). Nothing outside this package compares
+device strings or imports a vendor runtime; the trainer asks the accelerator instead.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+
+GB = 1024**3
+
+
+class Accelerator(ABC):
+    """One kind of device. Construction is cheap and imports nothing; `setup` does the work."""
+
+    name: str = ""
+    #: torch.autocast's device_type for this device.
+    autocast_device_type: str = "cpu"
+
+    def __init__(self, execution_mode: str = "auto") -> None:
+        self.execution_mode = self.default_execution_mode() if execution_mode == "auto" else execution_mode
+
+    def default_execution_mode(self) -> str:
+        """What execution_mode="auto" means on this device."""
+        return "eager"
+
+    @property
+    def lazy(self) -> bool:
+        """Whether operations are deferred into graphs that run at `mark_step()`."""
+        return self.execution_mode == "lazy"
+
+    # -- presence ------------------------------------------------------------------------------
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    def device_name(self) -> str:
+        """Human-readable name of the device (a GPU model, "Gaudi2", the CPU)."""
+        return self.name
+
+    # -- set-up --------------------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, local_rank: int = 0) -> torch.device:
+        """Prepare this process to use device `local_rank` and return it."""
+
+    @abstractmethod
+    def dist_backend(self) -> str:
+        """torch.distributed backend for this device."""
+
+    def compile_backend(self) -> str:
+        return "inductor"
+
+    def mark_step(self) -> None:
+        """Run what has been accumulated (lazy mode); a no-op on eager devices."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that a host clock measures it."""
+
+    # -- numbers -------------------------------------------------------------------------------
+    @abstractmethod
+    def memory_stats(self) -> dict[str, float]:
+        """memory_allocated_gb, max_memory_allocated_gb and total_memory_available_gb."""
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense peak FLOP/s of one device for `dtype`, or None when not known."""
+        return None
+
+    # -- optimizer and gradients ---------------------------------------------------------------
+    def make_adamw(self, params, lr: float, betas=(0.9, 0.999), eps: float | None = None,
+                   weight_decay: float = 0.0, fused: bool | None = None) -> torch.optim.Optimizer:
+        """AdamW; `fused` None means the device's default (torch's fused kernel here).
+        eps None means the optimizer's own default (1e-8 for torch's AdamW)."""
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=1e-8 if eps is None else eps,
+                                 weight_decay=weight_decay, fused=False if fused is False else True)
+
+    def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                       fused: bool | None = None) -> torch.Tensor:
+        """Clip gradients in place to a total 2-norm of `max_norm`; return the norm before clipping
+        as a device tensor (no host read-back)."""
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
+
+    def all_reduce_mean(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Average `tensor` in place across the process group. Gloo and HCCL have no AVG
+        reduction, so the default sums and divides by the group size."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor.div_(dist.get_world_size(group))
+        return tensor
+
+    # -- graphs --------------------------------------------------------------------------------
+    def wrap_graph_inference(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The device's captured-graph mechanism for inference (static shapes assumed)."""
+        return torch.compile(module, backend=self.compile_backend(), dynamic=False)
+
+    # -- randomness ----------------------------------------------------------------------------
+    def rng_state(self) -> torch.Tensor | None:
+        """This device's generator state (None where the device shares the CPU generator)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore a state returned by `rng_state`."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(execution_mode={self.execution_mode!r})"

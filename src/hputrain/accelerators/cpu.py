@@ -1,0 +1,84 @@
+"""The CPU: always present. In lazy mode it runs on PyTorch's own lazy tensor backend
+(torch._lazy with the TorchScript backend), a dry run of a Gaudi lazy-mode run."""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+
+import torch
+
+from .base import GB, Accelerator
+
+
+def _rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        current = peak
+    return current, max(current, peak)  # the kernel updates its high-water mark lazily
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class CPUAccelerator(Accelerator):
+    name = "cpu"
+    autocast_device_type = "cpu"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_name(self) -> str:
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return platform.processor() or platform.machine() or "cpu"
+
+    def setup(self, local_rank: int = 0) -> torch.device:
+        if self.lazy:
+            from torch._lazy import ts_backend
+
+            ts_backend.init()  # PyTorch's TorchScript backend for lazy tensors
+            return torch.device("lazy")
+        return torch.device("cpu")
+
+    def dist_backend(self) -> str:
+        return "gloo"
+
+    def mark_step(self) -> None:
+        if self.lazy:
+            from torch import _lazy
+
+            _lazy.mark_step()
+
+    def memory_stats(self) -> dict[str, float]:
+        current, peak = _rss_bytes()
+        return {
+            "memory_allocated_gb": current / GB,
+            "max_memory_allocated_gb": peak / GB,
+            "total_memory_available_gb": _ram_bytes() / GB,
+        }
+
+    def make_adamw(self, params, lr, betas=(0.9, 0.999), eps=None, weight_decay=0.0, fused=None):
+        # The lazy tensor backend has no fused AdamW kernel; its graph fuses the update anyway.
+        return super().make_adamw(params, lr, betas, eps, weight_decay, False if self.lazy else fused)
+
+    def rng_state(self) -> None:
+        return None  # the CPU generator is saved by the checkpoint with the Python and numpy ones

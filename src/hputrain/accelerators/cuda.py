@@ -1,0 +1,71 @@
+"""NVIDIA GPUs through torch.cuda."""
+from __future__ import annotations
+
+import torch
+
+from .base import GB, Accelerator
+
+# Dense peak FLOP/s per GPU (tensor cores, no sparsity), matched on a substring of the name.
+_PEAK_FLOPS = {
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12},
+}
+
+
+class CUDAAccelerator(Accelerator):
+    name = "cuda"
+    autocast_device_type = "cuda"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
+
+    def setup(self, local_rank: int = 0) -> torch.device:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+
+    def dist_backend(self) -> str:
+        return "nccl"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_stats(self) -> dict[str, float]:
+        _, total = torch.cuda.mem_get_info()
+        return {
+            "memory_allocated_gb": torch.cuda.memory_allocated() / GB,
+            "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / GB,
+            "total_memory_available_gb": total / GB,
+        }
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        name = self.device_name()
+        for key, table in _PEAK_FLOPS.items():
+            if key in name:
+                return table.get(dtype)
+        return None
+
+    def all_reduce_mean(self, tensor, group=None):
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)  # NCCL has AVG
+        return tensor
+
+    def wrap_graph_inference(self, module):
+        # "reduce-overhead" records CUDA graphs of the compiled module and replays them.
+        return torch.compile(module, mode="reduce-overhead", dynamic=False)
+
+    def rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state)

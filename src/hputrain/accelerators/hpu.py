@@ -1,0 +1,142 @@
+"""Intel Gaudi (HPU) through the habana_frameworks runtime.
+
+The runtime reads PT_HPU_LAZY_MODE and PT_ENABLE_INT64_SUPPORT once, when it is first imported, so
+this file imports habana_frameworks only inside its methods, after `_runtime()` has set them. If
+something imported the runtime earlier with other values, that is an error, not a silent no-op.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import torch
+
+from ..errors import InputError
+from .base import GB, Accelerator
+
+# Dense bf16 peak FLOP/s per device (matrix engines).
+_PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
+
+
+class HPUEnvironmentError(InputError):
+    """The Gaudi runtime was imported before its environment variables could be set."""
+
+
+class HPUAccelerator(Accelerator):
+    name = "hpu"
+    autocast_device_type = "hpu"
+
+    def __init__(self, execution_mode: str = "auto") -> None:
+        super().__init__(execution_mode)
+        self._clip = None  # FusedClipNorm, built on first use
+
+    def default_execution_mode(self) -> str:
+        # Gaudi's native mode is lazy, unless the user has already switched the runtime to eager.
+        return "eager" if os.environ.get("PT_HPU_LAZY_MODE") == "0" else "lazy"
+
+    # -- the runtime ---------------------------------------------------------------------------
+    def runtime_env(self) -> dict[str, str]:
+        """The variables the runtime must see at import for this execution mode."""
+        if self.lazy:
+            return {"PT_HPU_LAZY_MODE": "1"}
+        # Eager and torch.compile need 64-bit integer support (token ids, indices).
+        return {"PT_HPU_LAZY_MODE": "0",
+                "PT_ENABLE_INT64_SUPPORT": os.environ.get("PT_ENABLE_INT64_SUPPORT", "1")}
+
+    def _runtime(self, module: str = "habana_frameworks.torch.hpu"):
+        """Import a runtime module, setting the environment first on the first import."""
+        wanted = self.runtime_env()
+        if "habana_frameworks.torch" in sys.modules:
+            for key, value in wanted.items():
+                if os.environ.get(key) != value:
+                    raise HPUEnvironmentError(
+                        f"execution_mode={self.execution_mode!r} needs {key}={value}, but "
+                        f"habana_frameworks was already imported with {key}="
+                        f"{os.environ.get(key, '<unset>')}; set it before anything imports "
+                        f"habana_frameworks (export {key}={value})")
+        else:
+            os.environ.update(wanted)
+        return importlib.import_module(module)
+
+    # -- presence ------------------------------------------------------------------------------
+    def is_available(self) -> bool:
+        if importlib.util.find_spec("habana_frameworks") is None:
+            return False
+        try:
+            return bool(self._runtime().is_available())
+        except ImportError:
+            return False
+
+    def device_count(self) -> int:
+        return self._runtime().device_count() if self.is_available() else 0
+
+    def device_name(self) -> str:
+        return self._runtime().get_device_name()
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(self, local_rank: int = 0) -> torch.device:
+        self._runtime("habana_frameworks.torch.core")
+        # One Gaudi is visible per process; the runtime maps it from the local rank.
+        return torch.device("hpu")
+
+    def dist_backend(self) -> str:
+        self._runtime("habana_frameworks.torch.distributed.hccl")  # registers "hccl"
+        return "hccl"
+
+    def compile_backend(self) -> str:
+        return "hpu_backend"
+
+    def mark_step(self) -> None:
+        if self.lazy:
+            self._runtime("habana_frameworks.torch.core").mark_step()
+
+    def synchronize(self) -> None:
+        self._runtime().synchronize()
+
+    # -- numbers -------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        stats = self._runtime().memory_stats()
+        return {
+            "memory_allocated_gb": stats["InUse"] / GB,
+            "max_memory_allocated_gb": stats["MaxInUse"] / GB,
+            "total_memory_available_gb": stats["Limit"] / GB,
+        }
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        if dtype != torch.bfloat16:
+            return None
+        name = self.device_name().upper()
+        return next((flops for key, flops in _PEAK_BF16_FLOPS.items() if key in name), None)
+
+    # -- optimizer and gradients ---------------------------------------------------------------
+    def make_adamw(self, params, lr, betas=(0.9, 0.999), eps=None, weight_decay=0.0, fused=None):
+        """Gaudi's FusedAdamW when asked (GaudiConfig use_fused_adam), with its own eps default of
+        1e-6; otherwise torch's AdamW."""
+        if not fused:
+            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=1e-8 if eps is None else eps,
+                                     weight_decay=weight_decay)
+        optimizers = self._runtime("habana_frameworks.torch.hpex.optimizers")
+        return optimizers.FusedAdamW(params, lr=lr, betas=betas, eps=1e-6 if eps is None else eps,
+                                     weight_decay=weight_decay)
+
+    def clip_grad_norm(self, parameters, max_norm, fused=None):
+        parameters = list(parameters)
+        if not fused:
+            return super().clip_grad_norm(parameters, max_norm)
+        if self._clip is None:
+            normalization = self._runtime("habana_frameworks.torch.hpex.normalization")
+            self._clip = normalization.FusedClipNorm(parameters, max_norm)
+        return self._clip.clip_norm(parameters)
+
+    # -- graphs and randomness -----------------------------------------------------------------
+    def wrap_graph_inference(self, module):
+        return self._runtime().wrap_in_hpu_graph(module)
+
+    def rng_state(self) -> torch.Tensor:
+        return self._runtime().random.get_rng_state()
+
+    def set_rng_state(self, state) -> None:
+        if state is not None:
+            self._runtime().random.set_rng_state(state)

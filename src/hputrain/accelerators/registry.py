@@ -1,0 +1,58 @@
+"""Which accelerators exist, in the order `auto` tries them, and how one is chosen."""
+from __future__ import annotations
+
+import importlib
+import os
+
+from ..errors import InputError
+from .base import Accelerator
+
+# name -> "module:Class"; a backend's module is imported only when that backend is asked about.
+ACCELERATORS = {
+    "hpu": "hputrain.accelerators.hpu:HPUAccelerator",
+    "cuda": "hputrain.accelerators.cuda:CUDAAccelerator",
+    "mps": "hputrain.accelerators.mps:MPSAccelerator",
+    "cpu": "hputrain.accelerators.cpu:CPUAccelerator",
+}
+FORCE_ENV = "HPUTRAIN_ACCELERATOR"
+
+
+class AcceleratorNotFound(InputError):
+    """A named accelerator is absent or unknown."""
+
+
+def accelerator_class(name: str) -> type[Accelerator]:
+    if name not in ACCELERATORS:
+        raise AcceleratorNotFound(
+            f"unknown accelerator {name!r}; choose one of: auto, {', '.join(ACCELERATORS)}")
+    module, cls = ACCELERATORS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def available_accelerators(execution_mode: str = "auto") -> dict[str, int]:
+    """kind -> device count, for every kind present on this machine."""
+    found = {}
+    for name in ACCELERATORS:
+        accelerator = accelerator_class(name)(execution_mode)
+        if accelerator.is_available():
+            found[name] = accelerator.device_count()
+    return found
+
+
+def detect_accelerator(name: str = "auto", execution_mode: str = "auto") -> Accelerator:
+    """The accelerator to run on: `name`, or with "auto" the first present of HPU, CUDA, MPS, CPU.
+
+    HPUTRAIN_ACCELERATOR (set by `--cpu`) overrides `name`, as Accelerate's --cpu does.
+    """
+    name = os.environ.get(FORCE_ENV) or name
+    if name == "auto":
+        for candidate in ACCELERATORS:
+            accelerator = accelerator_class(candidate)(execution_mode)
+            if accelerator.is_available():
+                return accelerator
+    accelerator = accelerator_class(name)(execution_mode)
+    if not accelerator.is_available():
+        found = ", ".join(f"{k} ({n})" for k, n in available_accelerators(execution_mode).items())
+        raise AcceleratorNotFound(f"accelerator {name!r} was requested but is not available; "
+                                  f"found: {found}")
+    return accelerator

@@ -1,0 +1,113 @@
+"""The `hputrain` command line. Bad input prints one line and exits 2, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+
+from . import __version__
+from .errors import InputError
+
+ENV_VARS = ("HPUTRAIN_ACCELERATOR", "PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT",
+            "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST",
+            "HABANA_VISIBLE_MODULES", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
+            "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (with the nearest flag when one is close)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            known = _option_strings(self)
+            for word in message.split(":", 1)[1].split():
+                near = difflib.get_close_matches(word.split("=")[0], known, n=1)
+                if near:
+                    message += f" (did you mean {near[0]}?)"
+                    break
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of `parser` and of its subcommands."""
+    found = []
+    for action in parser._actions:
+        found += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _option_strings(sub)
+    return found
+
+
+def _force_cpu(args) -> None:
+    if getattr(args, "cpu", False):
+        os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
+
+
+# -- hputrain env ----------------------------------------------------------------------------------
+
+def cmd_env(args) -> int:
+    import torch
+
+    from .accelerators import available_accelerators, detect_accelerator
+
+    accelerator = detect_accelerator(args.accelerator)
+    report = {
+        "accelerator": accelerator.name,
+        "device_count": accelerator.device_count(),
+        "device_name": accelerator.device_name(),
+        "available": available_accelerators(),
+        "execution_mode": accelerator.execution_mode,
+        "dist_backend": accelerator.dist_backend(),
+        "compile_backend": accelerator.compile_backend(),
+        "torch": torch.__version__,
+        "hputrain": __version__,
+        "python": sys.version.split()[0],
+        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    width = max(map(len, report))
+    for key, value in report.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _env_parser(sub) -> None:
+    p = sub.add_parser("env", help="what is detected: accelerators, counts, versions, env vars")
+    p.add_argument("--accelerator", default="auto", help="check this kind (default: auto)")
+    p.add_argument("--cpu", action="store_true", help="force the CPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_env)
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+def build_parser() -> Parser:
+    parser = Parser(prog="hputrain", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hputrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _env_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        _force_cpu(args)
+        return args.func(args)
+    except InputError as exc:
+        print(f"hputrain: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hputrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

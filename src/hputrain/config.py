@@ -1,0 +1,340 @@
+"""Configuration, declared once: TrainingArguments and AcceleratorConfig.
+
+Each is a kw_only dataclass with a docstring under every field and validation in __post_init__.
+Files (JSON, TOML) and command-line flags are both derived from the dataclass, so they never drift.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import json
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(InputError):
+    """A configuration value, key or file is wrong; the message says which and why."""
+
+
+# -- helpers shared by both dataclasses ------------------------------------------------------------
+
+def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
+    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return ConfigError(f"unknown key {key!r} in {where}{hint}")
+
+
+def _base_type(annotation) -> tuple[type, bool]:
+    """(the plain type, whether None is allowed) of a field's annotation."""
+    hint = eval(annotation, vars(sys.modules[__name__])) if isinstance(annotation, str) else annotation
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return (typing.get_origin(rest[0]) or rest[0]), len(rest) < len(args)
+    return (typing.get_origin(hint) or hint), False
+
+
+def _coerce(cls, name: str, value, where: str):
+    """Check one value read from a file against the field's type."""
+    kind, optional = _base_type(cls.__dataclass_fields__[name].type)
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{name} in {where} must be {kind.__name__}"
+                      f"{' or null' if optional else ''}, got {value!r}")
+
+
+def read_mapping(path: str | Path) -> dict:
+    """A JSON or TOML file's top-level table, or a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: "
+                          f"{exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold an object of settings")
+    return data
+
+
+def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
+    """`data` with every key a field of `cls` and every value of the field's type."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key in ignore:
+            continue
+        if key not in names:
+            raise _unknown_key(key, names, where)
+        values[key] = _coerce(cls, key, value, where)
+    return values
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
+
+
+# -- TrainingArguments ---------------------------------------------------------------------------
+
+SCHEDULES = ("linear", "cosine", "constant")
+STRATEGIES = ("auto", "single", "ddp", "fast_ddp")
+EXECUTION_MODES = ("auto", "eager", "lazy", "compile")
+ACCELERATOR_NAMES = ("auto", "hpu", "cuda", "mps", "cpu")
+
+
+@dataclass(kw_only=True)
+class TrainingArguments:
+    """Everything a training run needs to know, by the names users already know: Hugging Face's
+    for hyper-parameters, Lightning's for device and scale, Optimum for Intel Gaudi's for Gaudi."""
+
+    output_dir: str = "output"
+    """Where checkpoints, metrics.jsonl and plots are written."""
+    per_device_train_batch_size: int = 8
+    """Sequences per device per micro-batch in training."""
+    per_device_eval_batch_size: int = 8
+    """Sequences per device per batch in evaluation."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    learning_rate: float = 5e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float | None = None
+    """AdamW epsilon; unset means the optimizer's default (1e-8 torch AdamW, 1e-6 Gaudi FusedAdamW)."""
+    max_grad_norm: float = 1.0
+    """Clip gradients to this total norm; 0 disables clipping."""
+    num_train_epochs: float = 3.0
+    """Passes over the training data, when max_steps is not set."""
+    max_steps: int = -1
+    """Optimizer steps to train for; -1 means use num_train_epochs."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
+    lr_scheduler_type: str = "linear"
+    """Learning-rate schedule after warm-up: linear, cosine or constant."""
+    logging_steps: int = 10
+    """Log loss, learning rate, grad norm and memory every this many steps."""
+    eval_steps: int = 0
+    """Evaluate every this many steps; 0 evaluates only at the end."""
+    save_steps: int = 500
+    """Save a checkpoint every this many steps; 0 saves only at the end."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints, deleting the oldest."""
+    seed: int = 42
+    """Seed for model initialisation, data order and dropout."""
+    bf16: bool = False
+    """Mixed precision with bfloat16 autocast."""
+    torch_compile: bool = False
+    """Compile the model with torch.compile (same as execution_mode="compile")."""
+    torch_compile_backend: str | None = None
+    """torch.compile backend; unset means the accelerator's (inductor, or hpu_backend on Gaudi)."""
+    ddp_backend: str | None = None
+    """torch.distributed backend; unset means the accelerator's (gloo, nccl, hccl)."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint folder to resume from, or "latest" for the newest in output_dir."""
+    accelerator: str = "auto"
+    """Device kind: auto, hpu, cuda, mps or cpu."""
+    devices: int = 1
+    """Processes (one device each) per node."""
+    num_nodes: int = 1
+    """Number of nodes."""
+    strategy: str = "auto"
+    """auto, single, ddp or fast_ddp."""
+    execution_mode: str = "auto"
+    """auto (lazy on Gaudi, eager elsewhere), eager, lazy or compile."""
+    throughput_warmup_steps: int = 3
+    """Steps left out of the throughput figures (graph compilation, allocator warm-up)."""
+    pipelining_fwd_bwd: bool = False
+    """In lazy mode, also run the graph between forward and backward."""
+    non_blocking_data_copy: bool = False
+    """Copy batches to the device asynchronously (pinned memory)."""
+    use_graphs_for_inference: bool = False
+    """Capture graphs (HPU graphs, CUDA graphs, torch.compile) for evaluate and predict."""
+    use_graphs_for_training: bool = False
+    """Capture the training step in graphs where the device supports it."""
+    context_parallel_size: int = 1
+    """Processes that split each sequence between them."""
+    minimize_memory: bool = False
+    """With fp8, keep fp8 weights between forward and backward instead of a wider copy."""
+    fp8: bool = False
+    """Linear layers compute in fp8."""
+    disable_tqdm: bool = False
+    """Hide the progress bar."""
+
+    def __post_init__(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "logging_steps", "devices", "num_nodes",
+                     "context_parallel_size"):
+            _check(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_steps", "save_steps", "throughput_warmup_steps",
+                     "weight_decay", "max_grad_norm"):
+            _check(getattr(self, name) >= 0, f"{name} must not be negative, got {getattr(self, name)}")
+        _check(self.learning_rate > 0, f"learning_rate must be positive, got {self.learning_rate}")
+        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+               "adam_beta1 and adam_beta2 must lie in [0, 1)")
+        _check(self.adam_epsilon is None or self.adam_epsilon > 0, "adam_epsilon must be positive")
+        _check(self.max_steps == -1 or self.max_steps > 0,
+               f"max_steps must be positive or -1, got {self.max_steps}")
+        _check(self.max_steps > 0 or self.num_train_epochs > 0,
+               "num_train_epochs must be positive when max_steps is -1")
+        _check(self.save_total_limit is None or self.save_total_limit >= 1,
+               "save_total_limit must be at least 1")
+        _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULES)
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
+        _check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
+        if self.torch_compile:
+            _check(self.execution_mode in ("auto", "compile"),
+                   f"torch_compile=True conflicts with execution_mode={self.execution_mode!r}")
+            self.execution_mode = "compile"
+        _check(not self.minimize_memory or self.fp8, "minimize_memory needs fp8=True")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> "TrainingArguments":
+        """Load from a JSON or TOML file; `overrides` win over the file."""
+        return cls(**checked_values(cls, read_mapping(path) | overrides, f"config file {path}"))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- AcceleratorConfig (GaudiConfig-compatible) ---------------------------------------------------
+
+# Keys that published GaudiConfig files carry as provenance, with no effect on a run.
+_GAUDI_METADATA_KEYS = ("optimum_version", "transformers_version", "_name_or_path")
+
+
+@dataclass(kw_only=True)
+class AcceleratorConfig:
+    """Device-specific tuning, read from GaudiConfig JSON files as published (current and legacy).
+    On devices other than Gaudi, the mixed-precision lists still apply; the fused kernels map to
+    the device's own."""
+
+    use_fused_adam: bool | None = None
+    """Use the device's fused AdamW (Gaudi FusedAdamW); unset means the device default."""
+    use_fused_clip_norm: bool | None = None
+    """Use the device's fused gradient clipping (Gaudi FusedClipNorm); unset means the default."""
+    use_torch_autocast: bool = False
+    """Mixed precision with torch.autocast and the op lists below."""
+    autocast_bf16_ops: list[str] | None = None
+    """Ops that run in bfloat16 under autocast."""
+    autocast_fp32_ops: list[str] | None = None
+    """Ops that stay in float32 under autocast."""
+    use_dynamic_shapes: bool = False
+    """Gaudi: allow dynamic shapes in graphs."""
+    use_habana_mixed_precision: bool = False
+    """Legacy Habana Mixed Precision; mapped onto autocast with the hmp op lists."""
+    hmp_opt_level: str = "O1"
+    """Legacy HMP optimisation level (recorded; O1 is the only level with op lists)."""
+    hmp_is_verbose: bool = False
+    """Legacy HMP verbosity (recorded, no effect)."""
+    hmp_bf16_ops: list[str] | None = None
+    """Legacy name of autocast_bf16_ops."""
+    hmp_fp32_ops: list[str] | None = None
+    """Legacy name of autocast_fp32_ops."""
+    log_device_mem_alloc: bool = False
+    """Legacy: log device memory (hputrain logs memory every logging step regardless)."""
+
+    def __post_init__(self) -> None:
+        _check(not (self.use_habana_mixed_precision and self.use_torch_autocast),
+               "use_habana_mixed_precision and use_torch_autocast cannot both be true")
+        _check_choice("hmp_opt_level", self.hmp_opt_level, ("O1", "O2"))
+        if self.use_habana_mixed_precision:
+            # Legacy HMP lists become the autocast lists, unless the file gives those too.
+            self.autocast_bf16_ops = self.autocast_bf16_ops or self.hmp_bf16_ops
+            self.autocast_fp32_ops = self.autocast_fp32_ops or self.hmp_fp32_ops
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether this config asks for bf16 mixed precision (current or legacy spelling)."""
+        return self.use_torch_autocast or self.use_habana_mixed_precision
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "AcceleratorConfig":
+        return cls(**checked_values(cls, read_mapping(path), f"accelerator config {path}",
+                                    ignore=_GAUDI_METADATA_KEYS))
+
+
+# -- command-line flags derived from a dataclass --------------------------------------------------
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, group_title: str | None = None) -> None:
+    """One flag per field, spelled both --max-steps and --max_steps; booleans get --no-X.
+    Defaults are SUPPRESSed so that only the flags a user typed reach `parse_args`."""
+    group = parser.add_argument_group(group_title) if group_title else parser
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        kind, optional = _base_type(f.type)
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
+        options = {"dest": f.name, "default": argparse.SUPPRESS,
+                   "help": f"{docs.get(f.name, '')} (default: {f.default})"}
+        if kind is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
+        elif kind is list:
+            group.add_argument(*flags, nargs="*", metavar="OP", **options)
+        else:
+            group.add_argument(*flags, type=_flag_type(kind, optional), metavar=f.name.upper(),
+                               **options)
+
+
+def _flag_type(kind: type, optional: bool):
+    def parse(text: str):
+        if optional and text.lower() in ("none", "null"):
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse

@@ -1,0 +1,178 @@
+"""The built-in byte-level corpus and its fixed-length training windows.
+
+By default the corpus is the Python standard library's own source code, found on this machine at
+run time, so a training run needs no download. Bytes are tokens (vocab 256). The text is cut into
+windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted by one.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from .errors import InputError
+
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+"""Directory names never read (installed third-party code and bytecode caches)."""
+
+FILE_SEPARATOR = b"\n"
+"""Bytes put between two files of the corpus."""
+
+WINDOWS_PER_BLOCK = 32
+"""Windows in one train/validation split block (see `split_windows`)."""
+
+
+class DataError(InputError):
+    """The corpus could not be read or is unusable; the message names the path and the problem."""
+
+
+def stdlib_source_dir() -> Path:
+    """Return the directory holding the running Python's standard library source."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = None) -> bytes:
+    """Return the bytes of a text corpus, files joined by a newline, cut to at most max_bytes.
+
+    With path None, read the standard library's `*.py` files. A folder is walked in sorted order,
+    skipping hidden entries, __pycache__, site-packages and dist-packages; of its files, those that
+    are UTF-8 text without NUL bytes are read. A single text file is read as it is.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise DataError(f"max_bytes must be positive, got {max_bytes}.")
+    root = stdlib_source_dir() if path is None else Path(path)
+    if not root.exists():
+        raise DataError(f"Corpus path {root} does not exist.")
+    suffix = ".py" if path is None else None
+    files = [root] if root.is_file() else _walk_sorted(root, suffix)
+
+    chunks: list[bytes] = []
+    size = 0
+    for file in files:
+        data = _read_text_file(file)
+        if data is None:
+            continue
+        if chunks:
+            chunks.append(FILE_SEPARATOR)
+            size += len(FILE_SEPARATOR)
+        chunks.append(data)
+        size += len(data)
+        if max_bytes is not None and size >= max_bytes:
+            break
+    if not chunks:
+        kind = "is not a UTF-8 text file" if root.is_file() else "has no readable text files"
+        raise DataError(f"Corpus path {root} {kind}.")
+    corpus = b"".join(chunks)
+    return corpus if max_bytes is None else corpus[:max_bytes]
+
+
+def _walk_sorted(root: Path, suffix: str | None) -> list[Path]:
+    """List the files under root in sorted, depth-first order, pruning skipped directories."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning and sorting dirnames in place steers os.walk, which makes the order stable.
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
+                continue
+            found.append(Path(dirpath, name))
+    return found
+
+
+def _read_text_file(file: Path) -> bytes | None:
+    """Return the file's bytes if it is readable UTF-8 text without NUL bytes, else None."""
+    try:
+        data = file.read_bytes()
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if b"\0" in data or not data:
+        return None
+    return data
+
+
+class TokenWindows(Dataset):
+    """Fixed-length training windows over a 1-D uint8 token tensor.
+
+    Window i covers tokens[i * seq_len : i * seq_len + seq_len + 1] and yields
+    {"input_ids": the first seq_len tokens, "labels": the last seq_len} as int64 tensors.
+    `window_ids`, when given, selects which windows (by number) this dataset exposes, so a train and
+    a validation set can share one token tensor.
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, window_ids: torch.Tensor | None = None
+    ) -> None:
+        if tokens.dim() != 1:
+            raise DataError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}.")
+        if seq_len <= 0:
+            raise DataError(f"seq_len must be positive, got {seq_len}.")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        if window_ids is None:
+            window_ids = torch.arange(count_windows(len(tokens), seq_len))
+        self.window_ids = window_ids
+
+    def __len__(self) -> int:
+        return len(self.window_ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows.")
+        start = int(self.window_ids[index]) * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1].long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def count_windows(num_tokens: int, seq_len: int) -> int:
+    """Number of full seq_len + 1 windows, at stride seq_len, in num_tokens tokens."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def split_windows(num_windows: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split window numbers 0..num_windows-1 into (train, validation) without randomness.
+
+    Consecutive windows form blocks of WINDOWS_PER_BLOCK (fewer for a small corpus) and every k-th
+    block, k = round(1 / val_fraction), goes to validation. Validation thus samples the whole
+    stream, which matters because a corpus sorted by path changes character along its length.
+    """
+    every = max(2, round(1 / val_fraction))
+    block = max(1, min(WINDOWS_PER_BLOCK, num_windows // every))
+    block_of_window = torch.arange(num_windows) // block
+    is_val = block_of_window % every == every - 1
+    if not is_val.any():  # too few blocks for even one k-th block: use the last one
+        is_val = block_of_window == block_of_window[-1]
+    ids = torch.arange(num_windows)
+    return ids[~is_val], ids[is_val]
+
+
+def load_corpus(
+    path: str | os.PathLike | None = None,
+    seq_len: int = 256,
+    val_fraction: float = 0.05,
+    max_bytes: int | None = None,
+) -> tuple[TokenWindows, TokenWindows]:
+    """Read a corpus (see `read_corpus`) and return (train, validation) windows of seq_len tokens.
+
+    The split is deterministic (see `split_windows`); both parts are non-empty and share no window.
+    """
+    if not 0.0 < val_fraction <= 0.5:
+        raise DataError(f"val_fraction must be in (0, 0.5], got {val_fraction}.")
+    if seq_len <= 0:
+        raise DataError(f"seq_len must be positive, got {seq_len}.")
+    corpus = read_corpus(path, max_bytes=max_bytes)
+    num_windows = count_windows(len(corpus), seq_len)
+    if num_windows < 2:
+        where = stdlib_source_dir() if path is None else path
+        raise DataError(
+            f"Corpus at {where} has {len(corpus)} bytes, too small for two windows of "
+            f"seq_len={seq_len} (needs at least {2 * seq_len + 1} bytes)."
+        )
+    # bytearray makes a writable copy, which torch.frombuffer needs to avoid sharing read-only memory.
+    tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    train_ids, val_ids = split_windows(num_windows, val_fraction)
+    return TokenWindows(tokens, seq_len, train_ids), TokenWindows(tokens, seq_len, val_ids)

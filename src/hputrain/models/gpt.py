@@ -1,0 +1,257 @@
+"""A small GPT language model: byte-level, pre-LayerNorm, tied embeddings.
+
+The shape follows GPT-2 (learned position embeddings, GELU MLP, weight tying), written plainly so
+that each piece can be read on its own. Attention goes through one small function, `attend`, so a
+context-parallel variant can replace it without touching the rest of the model, and positions can
+be passed in explicitly so that a slice of a longer sequence keeps its global positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+"""Label value that `GPT.forward` leaves out of the loss."""
+
+_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 4, "n_embd": 128},
+    "small": {"n_layer": 6, "n_head": 6, "n_embd": 384},
+    "base": {"n_layer": 12, "n_head": 12, "n_embd": 768},  # the GPT-2 small shape
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class GPTConfig:
+    """Shape and regularisation of a `GPT`; build a named size with `GPTConfig.from_size`."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 means one token per byte."""
+    block_size: int = 256
+    """Longest sequence the model accepts (the number of learned positions)."""
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide `n_embd`."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention and residual branches (0 turns it off)."""
+    bias: bool = False
+    """Whether Linear and LayerNorm layers carry a bias."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}.")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}.")
+
+    @classmethod
+    def from_size(cls, name: str, **overrides) -> GPTConfig:
+        """Return the config for a named size ("tiny", "small", "base"), with fields overridden."""
+        if name not in _SIZES:
+            raise ValueError(f"Unknown GPT size {name!r}; valid sizes are {', '.join(_SIZES)}.")
+        return cls(**{**_SIZES[name], **overrides})
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.n_embd // self.n_head
+
+
+AttendFn = Callable[..., torch.Tensor]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal scaled dot-product attention over (batch, heads, time, head_dim) tensors."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q/k/v projection.
+
+    The attention itself is `self.attend` (the module-level `attend` by default), the one piece a
+    context-parallel implementation needs to replace.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attend: AttendFn = attend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (batch, time, n_embd) to (batch, time, n_embd), each position seeing only the past."""
+        batch, time, width = x.shape
+        # (B, T, 3C) -> three (B, n_head, T, head_dim) tensors.
+        qkv = self.qkv(x).view(batch, time, 3, self.n_head, width // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(batch, time, width)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """The position-wise feed-forward layer: widen 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the feed-forward layer to every position independently."""
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run attention then the MLP, each added to the residual stream."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2 style decoder-only language model."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2*n_layer)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # Each block adds two branches to the residual stream; scaling their output projections
+        # keeps the stream's variance from growing with depth.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Return {"logits": (B, T, vocab)} and, when labels are given, the mean "loss".
+
+        `labels` has the shape of `input_ids`, already shifted (labels[:, t] is the token after
+        input_ids[:, t]); positions labelled -100 are left out of the loss. `position_ids` (shape
+        (T,) or (B, T)) defaults to 0..T-1; pass global positions when the input is a slice of a
+        longer sequence. They are not range-checked here (that would cost a device sync).
+        """
+        time = input_ids.shape[1]
+        if time > self.config.block_size:
+            raise ValueError(
+                f"Sequence length {time} exceeds the model's block_size {self.config.block_size}."
+            )
+        if position_ids is None:
+            position_ids = torch.arange(time, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = cross_entropy_loss(logits, labels)
+        return out
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Count parameters once each (the tied token embedding counts once).
+
+        With non_embedding=True the position embedding is left out, as in the GPT-2/Kaplan
+        convention; the token embedding stays in because it is also the output layer.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.wpe.weight.numel()
+        return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token by the standard 6N estimate (forward 2N, backward 4N).
+
+        Attention's own score and weighted-sum FLOPs (which grow with sequence length) are left
+        out, matching the usual model-FLOPs-utilisation (MFU) convention.
+        """
+        return 6 * self.num_parameters(non_embedding=True)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+    ) -> torch.Tensor:
+        """Extend (B, T) input_ids by max_new_tokens sampled tokens; return (B, T + max_new_tokens).
+
+        Recomputes the whole (cropped to block_size) context every step. temperature 0 picks the
+        most likely token; top_k keeps only the k most likely tokens before sampling.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                context = input_ids[:, -self.config.block_size :]
+                logits = self(context)["logits"][:, -1, :]
+                next_id = _pick_next_token(logits, temperature, top_k)
+                input_ids = torch.cat([input_ids, next_id], dim=1)
+        finally:
+            self.train(was_training)
+        return input_ids
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 over all positions not labelled IGNORE_INDEX."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+def _pick_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Choose one token per row of (B, vocab) logits; return (B, 1) token ids."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_best = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

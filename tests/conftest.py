@@ -1,0 +1,47 @@
+"""Shared fixtures: the fake Gaudi runtime, device markers."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FAKES = str(Path(__file__).parent / "fakes")
+_HPU_ENV = ("PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST",
+            "PT_HPU_AUTOCAST_FP32_OPS_LIST", "HPUTRAIN_ACCELERATOR")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _drop_habana_modules() -> None:
+    for name in [m for m in sys.modules if m == "habana_frameworks" or m.startswith("habana_frameworks.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_hpu():
+    """The fake habana_frameworks package on sys.path, not yet imported; yields its recorder.
+    The Gaudi variables the code under test sets are put back as they were afterwards."""
+    saved = {key: os.environ.pop(key, None) for key in _HPU_ENV}
+    _drop_habana_modules()
+    sys.path.insert(0, FAKES)
+    import habana_frameworks.fake as fake
+
+    fake.calls.clear()
+    fake.available = True
+    try:
+        yield fake
+    finally:
+        sys.path.remove(FAKES)
+        _drop_habana_modules()
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No test inherits a forced accelerator from the shell that runs pytest."""
+    monkeypatch.delenv("HPUTRAIN_ACCELERATOR", raising=False)
+    yield

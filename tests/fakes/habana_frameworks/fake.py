@@ -1,0 +1,14 @@
+"""The recorder and the knobs of the fake runtime."""
+calls: list[tuple[str, object]] = []
+available = True
+device_count = 8
+device_name = "GAUDI2"
+memory = {"InUse": 3 * 1024**3, "MaxInUse": 5 * 1024**3, "Limit": 94 * 1024**3, "NumAllocs": 7}
+
+
+def record(name: str, details: object = None) -> None:
+    calls.append((name, details))
+
+
+def names() -> list[str]:
+    return [name for name, _ in calls]

@@ -1,0 +1,258 @@
+"""Each accelerator's contract: the CPU for real, Gaudi through the fake runtime, CUDA on a GPU."""
+import sys
+
+import pytest
+import torch
+
+from hputrain.accelerators import AcceleratorNotFound, available_accelerators, detect_accelerator
+from hputrain.accelerators.cpu import CPUAccelerator
+from hputrain.accelerators.hpu import HPUAccelerator, HPUEnvironmentError
+
+from .conftest import requires_cuda
+
+
+def _model_with_grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model(torch.randn(5, 8)).pow(2).sum().mul(10).backward()
+    return model
+
+
+# -- CPU -------------------------------------------------------------------------------------------
+
+def test_cpu_contract():
+    cpu = CPUAccelerator()
+    assert cpu.is_available() and cpu.device_count() == 1
+    assert cpu.setup(0) == torch.device("cpu")
+    assert cpu.dist_backend() == "gloo"
+    assert cpu.compile_backend() == "inductor"
+    assert cpu.execution_mode == "eager"
+    assert cpu.peak_flops(torch.bfloat16) is None
+    stats = cpu.memory_stats()
+    assert set(stats) == {"memory_allocated_gb", "max_memory_allocated_gb", "total_memory_available_gb"}
+    assert 0 < stats["memory_allocated_gb"] <= stats["max_memory_allocated_gb"] < stats["total_memory_available_gb"]
+
+
+def test_cpu_adamw_is_torch_fused_with_eps_1e8():
+    opt = CPUAccelerator().make_adamw(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    assert type(opt) is torch.optim.AdamW
+    assert opt.defaults["fused"] is True and opt.defaults["eps"] == 1e-8
+    opt = CPUAccelerator().make_adamw(torch.nn.Linear(2, 2).parameters(), lr=1e-3, eps=1e-5, fused=False)
+    assert not opt.defaults["fused"] and opt.defaults["eps"] == 1e-5
+
+
+def test_cpu_adamw_steps_like_torch_adamw():
+    ours, ref = _model_with_grads(), _model_with_grads()
+    a = CPUAccelerator().make_adamw(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    b = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        a.step(), b.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_clip_matches_clip_grad_norm_and_returns_a_tensor():
+    ours, ref = _model_with_grads(), _model_with_grads()
+    norm = CPUAccelerator().clip_grad_norm(ours.parameters(), 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert isinstance(norm, torch.Tensor) and norm > 0.5
+    torch.testing.assert_close(norm, expected)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_cpu_lazy_mode_runs_on_the_lazy_backend():
+    cpu = CPUAccelerator("lazy")
+    device = cpu.setup(0)
+    assert device.type == "lazy"
+    x = torch.ones(3, device=device) * 2
+    cpu.mark_step()
+    assert x.cpu().tolist() == [2.0, 2.0, 2.0]
+    opt = cpu.make_adamw([torch.nn.Parameter(torch.zeros(2, device=device))], lr=0.1)
+    assert not opt.defaults["fused"]  # the lazy backend has no fused kernel
+
+
+# -- detection -------------------------------------------------------------------------------------
+
+def test_auto_detects_cpu_here():
+    assert detect_accelerator().name == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_env_forces_cpu(monkeypatch):
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+    assert detect_accelerator("auto").name == "cpu"
+    assert detect_accelerator("cuda").name == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_absent_device_names_what_was_found():
+    with pytest.raises(AcceleratorNotFound, match=r"'cuda'.*not available; found: cpu \(1\)"):
+        detect_accelerator("cuda")
+
+
+def test_unknown_device_lists_the_valid_ones():
+    with pytest.raises(AcceleratorNotFound, match="unknown accelerator 'tpu'.*hpu, cuda, mps, cpu"):
+        detect_accelerator("tpu")
+
+
+def test_hpu_absent_without_runtime():
+    assert "habana_frameworks" not in sys.modules
+    assert not HPUAccelerator().is_available()
+    assert "habana_frameworks" not in sys.modules
+
+
+def test_auto_prefers_hpu(fake_hpu):
+    accelerator = detect_accelerator("auto")
+    assert accelerator.name == "hpu" and accelerator.device_count() == 8
+    assert available_accelerators()["hpu"] == 8
+
+
+def test_named_hpu_absent_when_runtime_reports_none(fake_hpu):
+    fake_hpu.available = False
+    assert detect_accelerator("auto").name in ("cpu", "cuda")
+    with pytest.raises(AcceleratorNotFound, match="'hpu'"):
+        detect_accelerator("hpu")
+
+
+# -- HPU through the fake runtime ------------------------------------------------------------------
+
+def test_hpu_lazy_env_is_set_before_the_runtime_import(fake_hpu):
+    hpu = HPUAccelerator()  # auto: lazy on Gaudi
+    assert hpu.execution_mode == "lazy"
+    assert hpu.setup(0) == torch.device("hpu")
+    name, seen = fake_hpu.calls[0]
+    assert name == "import" and seen == {"PT_HPU_LAZY_MODE": "1", "PT_ENABLE_INT64_SUPPORT": None}
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_hpu_eager_and_compile_env(fake_hpu, mode):
+    HPUAccelerator(mode).setup(0)
+    assert fake_hpu.calls[0] == ("import", {"PT_HPU_LAZY_MODE": "0", "PT_ENABLE_INT64_SUPPORT": "1"})
+
+
+def test_hpu_auto_follows_a_user_who_chose_eager(fake_hpu, monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+    assert HPUAccelerator().execution_mode == "eager"
+
+
+def test_hpu_env_after_import_is_an_error(fake_hpu):
+    HPUAccelerator("eager").setup(0)
+    with pytest.raises(HPUEnvironmentError, match="PT_HPU_LAZY_MODE=1.*already imported.*PT_HPU_LAZY_MODE=0"):
+        HPUAccelerator("lazy").setup(0)
+    assert [n for n in fake_hpu.names() if n == "import"] == ["import"]
+
+
+def test_hpu_backends(fake_hpu):
+    hpu = HPUAccelerator()
+    assert hpu.compile_backend() == "hpu_backend"
+    assert hpu.dist_backend() == "hccl"
+    assert "hccl_registered" in fake_hpu.names()  # importing the module registers the backend
+
+
+def test_hpu_mark_step_only_in_lazy_mode(fake_hpu):
+    HPUAccelerator("lazy").mark_step()
+    HPUAccelerator("lazy").mark_step()
+    assert fake_hpu.names().count("mark_step") == 2
+    fake_hpu.calls.clear()
+    fake_hpu.available = True
+    # eager on the same runtime would contradict PT_HPU_LAZY_MODE=1, so check with a fresh mode flag
+    hpu = HPUAccelerator("lazy")
+    hpu.execution_mode = "eager"
+    hpu.mark_step()
+    assert "mark_step" not in fake_hpu.names()
+
+
+def test_hpu_fused_adamw_when_asked_with_eps_1e6(fake_hpu):
+    params = list(torch.nn.Linear(2, 2).parameters())
+    opt = HPUAccelerator().make_adamw(params, lr=1e-3, weight_decay=0.01, fused=True)
+    assert type(opt).__name__ == "FusedAdamW" and opt.defaults["eps"] == 1e-6
+    assert ("FusedAdamW", {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.01}) in fake_hpu.calls
+    opt = HPUAccelerator().make_adamw(params, lr=1e-3, eps=1e-8, fused=True)
+    assert opt.defaults["eps"] == 1e-8
+
+
+def test_hpu_unfused_adamw_is_torch_with_eps_1e8(fake_hpu):
+    opt = HPUAccelerator().make_adamw(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["eps"] == 1e-8
+    assert "FusedAdamW" not in fake_hpu.names()
+
+
+def test_hpu_fused_clip_norm(fake_hpu):
+    ours, ref = _model_with_grads(), _model_with_grads()
+    hpu = HPUAccelerator()
+    norm = hpu.clip_grad_norm(ours.parameters(), 0.5, fused=True)
+    hpu.clip_grad_norm(ours.parameters(), 0.5, fused=True)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.testing.assert_close(norm, expected)
+    assert fake_hpu.names().count("FusedClipNorm") == 1 and fake_hpu.names().count("clip_norm") == 2
+    hpu.clip_grad_norm(ours.parameters(), 0.5)
+    assert fake_hpu.names().count("clip_norm") == 2
+
+
+def test_hpu_memory_stats_mapping(fake_hpu):
+    stats = HPUAccelerator().memory_stats()
+    assert stats == {"memory_allocated_gb": 3.0, "max_memory_allocated_gb": 5.0,
+                     "total_memory_available_gb": 94.0}
+
+
+def test_hpu_peak_flops_graphs_and_rng(fake_hpu):
+    hpu = HPUAccelerator()
+    assert hpu.peak_flops(torch.bfloat16) == 432e12
+    fake_hpu.device_name = "GAUDI3"
+    assert hpu.peak_flops(torch.bfloat16) == 1835e12
+    fake_hpu.device_name = "GAUDI2"
+    module = hpu.wrap_graph_inference(torch.nn.Linear(2, 2))
+    assert module.hpu_graph_wrapped and ("wrap_in_hpu_graph", "Linear") in fake_hpu.calls
+    state = hpu.rng_state()
+    state[0] = 7
+    hpu.set_rng_state(state)
+    assert hpu.rng_state()[0] == 7
+
+
+# -- the mean over ranks ---------------------------------------------------------------------------
+
+def _mean_worker(rank, world, port, accelerator_name, out):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cls = {"cpu": CPUAccelerator, "hpu": HPUAccelerator}[accelerator_name]
+    t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
+    cls.all_reduce_mean(cls.__new__(cls), t)
+    out[rank] = t.tolist()
+    dist.destroy_process_group()
+
+
+def test_all_reduce_mean_is_sum_over_world():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_mean_worker, args=(2, port, "cpu", out), nprocs=2)
+    assert out[0] == out[1] == [1.5, 15.0]
+
+
+# -- CUDA (on a GPU machine) -----------------------------------------------------------------------
+
+@requires_cuda
+def test_cuda_contract():
+    from hputrain.accelerators.cuda import CUDAAccelerator
+
+    cuda = CUDAAccelerator()
+    assert cuda.is_available() and cuda.device_count() >= 1
+    assert cuda.setup(0) == torch.device("cuda", 0)
+    assert cuda.dist_backend() == "nccl" and cuda.compile_backend() == "inductor"
+    x = torch.ones(1024, 1024, device="cuda")
+    stats = cuda.memory_stats()
+    assert stats["memory_allocated_gb"] >= x.numel() * 4 / 1024**3
+    assert stats["total_memory_available_gb"] > 1
+    opt = cuda.make_adamw([torch.nn.Parameter(x)], lr=1e-3)
+    assert opt.defaults["fused"] is True
+    if "H100" in cuda.device_name():
+        assert cuda.peak_flops(torch.bfloat16) == 989e12

@@ -1,0 +1,145 @@
+"""TrainingArguments and AcceleratorConfig: fields, validation, files and derived flags."""
+import argparse
+import json
+
+import pytest
+
+from hputrain.config import (AcceleratorConfig, ConfigError, TrainingArguments,
+                             add_dataclass_flags, field_docs)
+
+DESIGN_FIELDS = """output_dir per_device_train_batch_size gradient_accumulation_steps learning_rate
+weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm num_train_epochs max_steps warmup_steps
+lr_scheduler_type logging_steps eval_steps save_steps save_total_limit seed bf16 torch_compile
+torch_compile_backend ddp_backend resume_from_checkpoint accelerator devices num_nodes strategy
+execution_mode throughput_warmup_steps pipelining_fwd_bwd non_blocking_data_copy
+use_graphs_for_inference use_graphs_for_training context_parallel_size minimize_memory fp8""".split()
+
+
+def test_fields_of_the_design_each_with_a_docstring():
+    fields = set(TrainingArguments.__dataclass_fields__)
+    assert set(DESIGN_FIELDS) <= fields
+    docs = field_docs(TrainingArguments)
+    assert fields == set(docs) and all(docs.values())
+
+
+def test_kw_only():
+    with pytest.raises(TypeError):
+        TrainingArguments("out")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be at least 1"),
+    ({"learning_rate": -1.0}, "learning_rate must be positive"),
+    ({"max_steps": 0}, "max_steps must be positive or -1"),
+    ({"lr_scheduler_type": "cosin"}, "did you mean 'cosine'"),
+    ({"strategy": "deepspeed"}, "strategy must be one of auto, single, ddp, fast_ddp"),
+    ({"execution_mode": "graph"}, "execution_mode must be one of"),
+    ({"torch_compile": True, "execution_mode": "lazy"}, "conflicts"),
+    ({"minimize_memory": True}, "minimize_memory needs fp8"),
+    ({"save_total_limit": 0}, "save_total_limit"),
+])
+def test_validation(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainingArguments(**bad)
+
+
+def test_torch_compile_means_compile():
+    assert TrainingArguments(torch_compile=True).execution_mode == "compile"
+    assert TrainingArguments().execution_mode == "auto"
+
+
+def test_from_json_and_toml(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"learning_rate": 3e-4, "max_steps": 7, "bf16": True,
+                                                 "save_total_limit": None, "adam_epsilon": 1}))
+    args = TrainingArguments.from_file(tmp_path / "a.json")
+    assert (args.learning_rate, args.max_steps, args.bf16, args.adam_epsilon) == (3e-4, 7, True, 1.0)
+    (tmp_path / "a.toml").write_text('learning_rate = 0.001\nstrategy = "ddp"\nlogging_steps = 5\n')
+    args = TrainingArguments.from_file(tmp_path / "a.toml", logging_steps=2)
+    assert (args.learning_rate, args.strategy, args.logging_steps) == (1e-3, "ddp", 2)
+
+
+@pytest.mark.parametrize("text, suffix, match", [
+    ('{"learnig_rate": 1}', ".json", "unknown key 'learnig_rate'.*did you mean 'learning_rate'"),
+    ('{"max_steps": "ten"}', ".json", "max_steps .* must be int, got 'ten'"),
+    ('{"bf16": 1}', ".json", "bf16 .* must be bool"),
+    ('{"max_steps": 10', ".json", "not valid json"),
+    ("max_steps = = 1", ".toml", "not valid toml"),
+    ("[1, 2]", ".json", "must hold an object"),
+])
+def test_bad_files(tmp_path, text, suffix, match):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        TrainingArguments.from_file(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        TrainingArguments.from_file(tmp_path / "nope.json")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, TrainingArguments)
+    return vars(parser.parse_args(argv))
+
+
+def test_flags_derived_from_the_dataclass():
+    assert _parse(["--max-steps", "5", "--learning_rate", "0.01"]) == {"max_steps": 5, "learning_rate": 0.01}
+    assert _parse(["--bf16"]) == {"bf16": True}
+    assert _parse(["--no-bf16"]) == {"bf16": False}
+    assert _parse(["--save-total-limit", "none"]) == {"save_total_limit": None}
+    assert _parse([]) == {}  # defaults stay with the dataclass, so a file can fill them
+    every = {f for f in TrainingArguments.__dataclass_fields__}
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, TrainingArguments)
+    assert every == {a.dest for a in parser._actions if a.dest != "help"}
+
+
+def test_bad_flag_value():
+    with pytest.raises(SystemExit):
+        _parse(["--max-steps", "many"])
+
+
+# -- AcceleratorConfig -----------------------------------------------------------------------------
+
+CURRENT = {"use_fused_adam": True, "use_fused_clip_norm": True, "use_torch_autocast": True,
+           "autocast_bf16_ops": ["linear", "matmul"], "autocast_fp32_ops": ["softmax"],
+           "optimum_version": "1.17.0", "transformers_version": "4.40.0"}
+LEGACY = {"use_habana_mixed_precision": True, "hmp_opt_level": "O1", "hmp_is_verbose": False,
+          "use_fused_adam": True, "use_fused_clip_norm": True, "log_device_mem_alloc": False,
+          "hmp_bf16_ops": ["add", "addmm", "bmm", "div", "dropout", "gelu", "iadd", "linear",
+                           "layer_norm", "matmul", "mm", "rsub", "softmax", "truediv"],
+          "hmp_fp32_ops": ["embedding", "nll_loss", "log_softmax"]}
+
+
+def test_current_gaudi_config(tmp_path):
+    (tmp_path / "gaudi_config.json").write_text(json.dumps(CURRENT))
+    config = AcceleratorConfig.from_file(tmp_path / "gaudi_config.json")
+    assert config.use_fused_adam and config.use_fused_clip_norm and config.mixed_precision
+    assert config.autocast_bf16_ops == ["linear", "matmul"] and config.autocast_fp32_ops == ["softmax"]
+
+
+def test_legacy_hmp_lists_become_autocast_lists(tmp_path):
+    (tmp_path / "legacy.json").write_text(json.dumps(LEGACY))
+    config = AcceleratorConfig.from_file(tmp_path / "legacy.json")
+    assert config.mixed_precision and not config.use_torch_autocast
+    assert config.autocast_bf16_ops == LEGACY["hmp_bf16_ops"]
+    assert config.autocast_fp32_ops == ["embedding", "nll_loss", "log_softmax"]
+
+
+def test_defaults_leave_fusion_to_the_device():
+    config = AcceleratorConfig()
+    assert config.use_fused_adam is None and not config.mixed_precision
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"use_fused_adamw": True}, "did you mean 'use_fused_adam'"),
+    ({"hmp_bf16_op": ["add"]}, "did you mean 'hmp_bf16_ops'"),
+    ({"autocast_bf16_ops": "linear"}, "autocast_bf16_ops .* must be list"),
+    ({"use_torch_autocast": True, "use_habana_mixed_precision": True}, "cannot both be true"),
+])
+def test_bad_accelerator_configs(tmp_path, data, match):
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=match):
+        AcceleratorConfig.from_file(tmp_path / "g.json")
