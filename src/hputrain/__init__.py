@@ -7,5 +7,6 @@ __version__ = "0.1.0"
 
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments
+from .trainer import Trainer
 
-__all__ = ["AcceleratorConfig", "TrainingArguments", "detect_accelerator", "__version__"]
+__all__ = ["AcceleratorConfig", "Trainer", "TrainingArguments", "detect_accelerator", "__version__"]

@@ -176,3 +176,131 @@ def load_corpus(
     tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     train_ids, val_ids = split_windows(num_windows, val_fraction)
     return TokenWindows(tokens, seq_len, train_ids), TokenWindows(tokens, seq_len, val_ids)
+
+
+# -- batching ----------------------------------------------------------------------------------------
+
+PAD_VALUES = {"labels": -100, "attention_mask": 0}  # anything else pads with 0
+
+
+def _to_tensor(values: list, key: str | None):
+    """Stack a list of per-sample values into one tensor, padding 1-D sequences on the right."""
+    if not isinstance(values[0], torch.Tensor):
+        if isinstance(values[0], str) or not isinstance(values[0], (int, float, bool, list, tuple)):
+            return values  # text and other objects stay a list (not model inputs)
+        values = [torch.as_tensor(v) for v in values]
+    if all(v.shape == values[0].shape for v in values):
+        return torch.stack(values)
+    if all(v.dim() == 1 for v in values):
+        length = max(v.shape[0] for v in values)
+        out = values[0].new_full((len(values), length), PAD_VALUES.get(key, 0))
+        for row, v in zip(out, values):
+            row[:v.shape[0]] = v
+        return out
+    raise InputError(f"cannot batch {key or 'samples'} of shapes {sorted({tuple(v.shape) for v in values})}: "
+                     "pass a data_collator")
+
+
+def default_collate(samples: list):
+    """Dicts become dicts of batched tensors, tuples tuples of them, tensors a stacked tensor."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: _to_tensor([s[key] for s in samples], key) for key in first}
+    if isinstance(first, (list, tuple)):
+        return tuple(_to_tensor(list(column), None) for column in zip(*samples))
+    return _to_tensor(samples, None)
+
+
+def to_device(batch, device: torch.device, non_blocking: bool = False):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+def model_input_names(model: torch.nn.Module) -> frozenset[str] | None:
+    """The keyword arguments `model.forward` takes (None when it takes **kwargs): batch keys
+    outside it, such as a text column of a Hugging Face dataset, are not passed."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
+class MicroBatches:
+    """This rank's micro-batches, in an order fixed by (seed, epoch).
+
+    The global batch of optimizer step k is the same set of samples whatever the number of
+    processes: it is cut into `accumulate` micro-steps, and each micro-step into one slice per
+    rank. One process with batch 2B and two with batch B therefore train on the same samples, and a
+    resumed run continues from step k exactly.
+    """
+
+    def __init__(self, dataset, collate, batch_size: int, accumulate: int = 1, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+        self.dataset, self.collate = dataset, collate
+        self.batch_size, self.accumulate = batch_size, accumulate
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.micro_size = batch_size * world_size
+        self.global_batch_size = self.micro_size * accumulate
+        self.num_samples = len(dataset) if hasattr(dataset, "__len__") else None
+        self.steps_per_epoch = None
+        if self.num_samples is not None:
+            whole, rest = divmod(self.num_samples, self.global_batch_size)
+            self.steps_per_epoch = whole + (1 if rest and not drop_last else 0)
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch if self.steps_per_epoch else 0.0
+
+    def iterate(self, start_step: int = 0, epochs: int | None = None):
+        """Micro-batches from optimizer step `start_step` on, for `epochs` passes (None: forever)."""
+        if self.num_samples is None:
+            yield from self._iterate_stream(start_step, epochs)
+            return
+        if self.steps_per_epoch == 0:
+            return
+        epoch, step = divmod(start_step, self.steps_per_epoch)
+        while epochs is None or epoch < epochs:
+            order = self._order(epoch)
+            for s in range(step, self.steps_per_epoch):
+                chunk = order[s * self.global_batch_size:(s + 1) * self.global_batch_size]
+                for m in range(self.accumulate):
+                    mine = self._my_slice(chunk[m * self.micro_size:(m + 1) * self.micro_size])
+                    if len(mine):
+                        yield self.collate([self.dataset[i] for i in mine.tolist()])
+            epoch, step = epoch + 1, 0
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def _my_slice(self, micro: torch.Tensor | list):
+        return micro[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def _iterate_stream(self, start_step: int, epochs: int | None):
+        """An iterable dataset: consecutive samples, restarted when exhausted."""
+        to_skip, epoch = start_step * self.accumulate, 0
+        while epochs is None or epoch < epochs:
+            stream, produced = iter(self.dataset), False
+            while True:
+                micro = [sample for _, sample in zip(range(self.micro_size), stream)]
+                if not micro or (self.drop_last and len(micro) < self.micro_size):
+                    break
+                produced = True
+                if to_skip:
+                    to_skip -= 1
+                    continue
+                mine = self._my_slice(micro)
+                if mine:
+                    yield self.collate(mine)
+            if not produced:
+                raise InputError("the iterable train_dataset yielded no complete batch")
+            epoch += 1

@@ -1,0 +1,52 @@
+"""Optimizer and learning-rate schedules."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import AcceleratorConfig, TrainingArguments
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (weights of Linear, embeddings); leave biases and norm gains alone,
+    as the Hugging Face Trainer and nanoGPT do."""
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def create_optimizer(model, args: TrainingArguments, config: AcceleratorConfig, accelerator):
+    """AdamW from the accelerator: fused where the device has it (or where the config asks)."""
+    return accelerator.make_adamw(
+        parameter_groups(model, args.weight_decay), lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay, fused=config.use_fused_adam)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """The multiplier of the peak learning rate at each step: linear warm-up from 0, then
+    linear decay to 0, cosine decay to 0, or constant."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(progress, 1.0)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+    return factor
+
+
+def create_scheduler(optimizer, args: TrainingArguments, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.lr_scheduler_type, args.warmup_steps, total_steps))

@@ -1,0 +1,121 @@
+"""Unit tests for `hputrain report`: reading metrics.jsonl, the series plotted, the PNGs written."""
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hputrain.errors import InputError
+from hputrain.report import add_report_parser, read_metrics, series, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _train(step, loss, tps=1000.0, **extra):
+    return {"step": step, "epoch": 0, "loss": loss, "learning_rate": 1e-3, "grad_norm": 1.0,
+            "memory_allocated_gb": 1.0 + step / 100, "max_memory_allocated_gb": 2.0 + step / 100,
+            "total_memory_available_gb": 16.0, "tokens_per_second": tps, **extra}
+
+
+def _records():
+    return [
+        _train(10, 4.0, tps=None),  # warm-up: no throughput yet
+        _train(20, 3.0),
+        {"step": 20, "epoch": 0, "eval_loss": 3.2, "eval_perplexity": 24.5},
+        _train(30, 9.9, tps=500.0),  # the run died here and was resumed from step 20
+        _train(30, 2.5, tps=1500.0, note="after restart"),
+        _train(40, 2.0, tps=2000.0),
+        {"step": 40, "epoch": 1, "eval_loss": 2.4, "eval_perplexity": 11.0},
+        {"step": 40, "train_runtime": 12.5, "train_samples_per_second": 3.2,
+         "train_tokens_per_second": 1800.0, "train_steps_per_second": 3.2, "mfu": None},
+    ]
+
+
+def _write(run_dir, records, blank_lines=False):
+    run_dir.mkdir(exist_ok=True)
+    sep = "\n\n" if blank_lines else "\n"
+    (run_dir / "metrics.jsonl").write_text(sep.join(json.dumps(r) for r in records) + "\n")
+    return run_dir
+
+
+def test_read_metrics_skips_blank_lines_and_keeps_order(tmp_path):
+    run = _write(tmp_path / "run", _records(), blank_lines=True)
+    records = read_metrics(run / "metrics.jsonl")
+    assert records == _records()
+
+
+def test_series_dedups_steps_and_separates_eval_from_train():
+    data = series(_records())
+    assert data["loss"] == ([10, 20, 30, 40], [4.0, 3.0, 2.5, 2.0])  # step 30: the last record wins
+    assert data["eval_loss"] == ([20, 40], [3.2, 2.4])
+    assert data["tokens_per_second"] == ([20, 30, 40], [1000.0, 1500.0, 2000.0])  # null dropped
+    assert data["memory_allocated_gb"] == ([10, 20, 30, 40], [1.1, 1.2, 1.3, 1.4])
+    assert data["max_memory_allocated_gb"][1] == [2.1, 2.2, 2.3, 2.4]
+    assert data["total_memory_available_gb"][1] == [16.0] * 4
+
+
+def test_series_leaves_out_series_without_values():
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "tokens_per_second": None},
+               {"step": 2, "train_runtime": 1.0, "mfu": None}, {"unrelated": True}]
+    assert series(records) == {"loss": ([1, 2], [3.0, 2.0])}
+
+
+def test_write_report_writes_three_valid_pngs(tmp_path):
+    run = _write(tmp_path / "run-7", _records())
+    written = write_report(run)
+    assert [p.name for p in written] == ["loss.png", "throughput.png", "memory.png"]
+    for path in written:
+        assert path.parent == run
+        blob = path.read_bytes()
+        assert blob.startswith(PNG_MAGIC)
+        assert len(blob) > 5_000  # an actual plot, not an empty canvas
+
+
+def test_no_throughput_values_means_no_throughput_png(tmp_path):
+    records = [_train(s, 3.0, tps=None) for s in (1, 2, 3)]
+    for r in records[1:]:
+        del r["tokens_per_second"]
+    run = _write(tmp_path / "run", records)
+    assert [p.name for p in write_report(run)] == ["loss.png", "memory.png"]
+    assert not (run / "throughput.png").exists()
+
+
+def test_missing_run_dir_and_missing_metrics(tmp_path):
+    with pytest.raises(InputError, match="no such run directory"):
+        write_report(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="metrics.jsonl: no such file"):
+        write_report(tmp_path / "empty")
+
+
+def test_malformed_line_names_file_and_line_number(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": \n')
+    with pytest.raises(InputError, match=r"metrics\.jsonl:3: not valid JSON"):
+        read_metrics(path)
+    path.write_text('{"step": 1, "loss": 2.0}\n[1, 2]\n')
+    with pytest.raises(InputError, match=r"metrics\.jsonl:2: expected a JSON object"):
+        read_metrics(path)
+
+
+def test_missing_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    run = _write(tmp_path / "run", _records())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(InputError, match=r"pip install matplotlib.*hputrain\[plot\]"):
+        write_report(run)
+
+
+def test_report_subcommand_prints_each_file(tmp_path, capsys):
+    run = _write(tmp_path / "run", _records())
+    parser = argparse.ArgumentParser()
+    add_report_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", str(run)])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [str(run / name) for name in ("loss.png", "throughput.png", "memory.png")]
+
+
+def test_importing_report_does_not_import_matplotlib():
+    code = "import sys, hputrain.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
