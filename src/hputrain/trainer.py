@@ -136,21 +136,25 @@ class Trainer:
                     clock.pause()
                     self._save(batches)
                     clock.resume()
-            if self._stop_signal is not None:
-                sinks.message(f"signal {self._stop_signal} received: saving a checkpoint at step "
-                              f"{self.global_step}")
-            elif self.eval_dataset is not None and not (args.eval_steps and self.global_step % args.eval_steps == 0):
-                self.evaluate(sinks=sinks)
-            if not (args.save_steps and self.global_step % args.save_steps == 0):
-                self._save(batches)
-            summary = {"step": self.global_step, **clock.summary(self._flops_per_token(),
-                                                                 self._peak_flops())}
-            if self.group.is_main:
-                sinks.write(summary)
+            summary = self._finish(sinks, clock, batches)
         finally:
             self._restore_signal_handlers(previous_handlers)
             sinks.close()
         return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
+
+    def _finish(self, sinks: MetricSinks, clock: ThroughputClock, batches: MicroBatches) -> dict:
+        """After the last step (or a stop signal): evaluate and save unless the step just did,
+        then write the summary record."""
+        args, step = self.args, self.global_step
+        if self._stop_signal is not None:
+            sinks.message(f"signal {self._stop_signal} received: saving a checkpoint at step {step}")
+        elif self.eval_dataset is not None and not (args.eval_steps and step % args.eval_steps == 0):
+            self.evaluate(sinks=sinks)
+        if not (args.save_steps and step % args.save_steps == 0):
+            self._save(batches)
+        summary = {"step": step, **clock.summary(self._flops_per_token(), self._peak_flops())}
+        sinks.write(summary)
+        return summary
 
     def _loss(self, batch) -> torch.Tensor:
         if self.compute_loss is not None:
@@ -179,8 +183,7 @@ class Trainer:
             "tokens_per_second": clock.interval_rate(),
             **self.accelerator.memory_stats(),
         }
-        if self.group.is_main:
-            sinks.write(record)
+        sinks.write(record)  # a no-op except on global rank 0
         return record["loss"]
 
     # -- evaluation and prediction -------------------------------------------------------------
@@ -205,7 +208,7 @@ class Trainer:
         self.model.train(was_training)
         eval_loss = loss_sum / max(count, 1)
         metrics = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
-        if self.group.is_main and sinks is not None:
+        if sinks is not None:
             sinks.write({"step": self.global_step, **metrics})
         return metrics
 

@@ -24,6 +24,31 @@ def _rss_bytes() -> tuple[int, int]:
     return current, max(current, peak)  # the kernel updates its high-water mark lazily
 
 
+def _keep_freed_memory() -> None:
+    """Stop glibc's malloc from handing freed tensor memory back to the kernel after every step.
+
+    With its default, self-adjusting thresholds, malloc trims the heap top or unmaps large blocks
+    whenever a step's activations are freed, and the next step page-faults them in again: measured
+    here, 2-3x the minor faults and up to 10% slower bf16 steps, depending only on the heap's
+    layout. Fixed thresholds (what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would set) keep
+    the memory mapped. A user who set those variables, or HPUTRAIN_CPU_MALLOC=default, keeps malloc's
+    own behaviour; other C libraries are left alone.
+    """
+    if (sys.platform != "linux" or os.environ.get("HPUTRAIN_CPU_MALLOC") == "default"
+            or "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 * 1024**2)  # glibc's largest: blocks above this are still mmapped
+    mallopt(m_trim_threshold, 256 * 1024**2)
+
+
 def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -57,6 +82,7 @@ class CPUAccelerator(Accelerator):
 
             ts_backend.init()  # PyTorch's TorchScript backend for lazy tensors
             return torch.device("lazy")
+        _keep_freed_memory()
         return torch.device("cpu")
 
     def dist_backend(self) -> str:
