@@ -62,7 +62,7 @@ class Trainer:
                                                              self.args.execution_mode)
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.device = self.accelerator.setup(self.group.local_rank)
-        self.group.init(self.device)
+        self.group.init()
         self.precision = select_precision(self.args, self.config, self.accelerator)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate

@@ -16,15 +16,15 @@ from ..errors import InputError
 
 @dataclass
 class ProcessGroup:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    backend: str | Callable[[], str] = "gloo"
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str | Callable[[], str]
 
     @classmethod
     def from_env(cls, backend: str | Callable[[], str]) -> "ProcessGroup":
-        """`backend` may be a callable, asked only when there is more than one process (asking the
-        HPU for "hccl" imports the HCCL module)."""
+        """`backend` may be a callable, asked only when there is more than one process (asking an
+        accelerator for its backend may import a communication library)."""
         try:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             rank = int(os.environ.get("RANK", "0"))
@@ -43,12 +43,11 @@ class ProcessGroup:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def init(self, device: torch.device) -> None:
+    def init(self) -> None:
         if not self.distributed or dist.is_initialized():
             return
         backend = self.backend() if callable(self.backend) else self.backend
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
 
     def wrap(self, model: torch.nn.Module, strategy: str) -> torch.nn.Module:
         """The module the training step calls: DistributedDataParallel across processes."""
