@@ -29,6 +29,7 @@ def fake_hpu():
 
     fake.calls.clear()
     fake.available = True
+    fake.graph_compilations = 0
     try:
         yield fake
     finally:

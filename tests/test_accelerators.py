@@ -68,8 +68,41 @@ def test_cpu_lazy_mode_runs_on_the_lazy_backend():
     x = torch.ones(3, device=device) * 2
     cpu.mark_step()
     assert x.cpu().tolist() == [2.0, 2.0, 2.0]
-    opt = cpu.make_adamw([torch.nn.Parameter(torch.zeros(2, device=device))], lr=0.1)
-    assert not opt.defaults["fused"]  # the lazy backend has no fused kernel
+    assert cpu.graph_compiles() >= 1 and CPUAccelerator().graph_compiles() is None
+
+
+def test_cpu_lazy_adamw_and_clip_match_torch():
+    """Lazy mode's own AdamW and clip (the backend lacks lerp and vector_norm) against torch's."""
+    from hputrain.accelerators import cpu_lazy
+
+    ours, ref = _model_with_grads(), _model_with_grads()
+    opt = cpu_lazy.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        norm = cpu_lazy.clip_grad_norm(list(ours.parameters()), 0.5)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+        opt.step(), ref_opt.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_lazy_forward_context_routes_around_backend_gaps():
+    """unbind/split/chunk and SDPA inside the forward context stay lazy and equal eager."""
+    import torch.nn.functional as F
+
+    cpu = CPUAccelerator("lazy")
+    device = cpu.setup(0)
+    x = torch.randn(2, 16, 3 * 2 * 8)
+    q, k, v = x.view(2, 16, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with cpu.forward_context():
+        lq, lk, lv = x.to(device).view(2, 16, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        a, b = x.to(device).split([16, 32], dim=2)
+        chunks = x.to(device).chunk(3, dim=2)
+        out = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
+    assert {t.device.type for t in (lq, a, b, *chunks, out)} == {"lazy"}
+    assert [tuple(c.shape) for c in chunks] == [(2, 16, 16)] * 3 and tuple(b.shape) == (2, 16, 32)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
 _STEP_LIKE_ALLOCATIONS = """

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 
 from .errors import InputError
 
@@ -68,6 +68,29 @@ def _torch_save(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _on_cpu(obj):
+    """`obj` with every tensor copied to the CPU: device tensors (lazy ones above all) cannot be
+    serialised where they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: _on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(value) for value in obj)
+    return obj
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state on the CPU, each tensor once: a tied weight (an embedding shared with the
+    output layer) is stored under its first name, which safetensors' load_model accepts."""
+    seen, tensors = set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module that owns the weights, under DDP (`.module`) and torch.compile (`._orig_mod`)."""
     while True:
@@ -106,10 +129,10 @@ def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer,
     """Write the model, optimizer, scheduler and trainer state (with "step" added) into `folder`.
     An optimizer or scheduler of None is skipped."""
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
-    save_model(unwrap_model(model), str(folder / MODEL_FILE))  # drops the tied duplicate
+    save_file(_model_tensors(unwrap_model(model)), str(folder / MODEL_FILE), metadata={"format": "pt"})
     _fsync(folder / MODEL_FILE)
     if optimizer is not None:
-        _torch_save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
     if scheduler is not None:
         _torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
     (folder / STATE_FILE).write_text(text, encoding="utf-8")

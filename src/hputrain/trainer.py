@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, execution
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments
 from .data import MicroBatches, default_collate, model_input_names, to_device
@@ -67,12 +67,13 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
-        self.model = model.to(self.device)
+        self.model = execution.move_to_device(model, self.device)
         self.inputs = model_input_names(model)
         self.wrapped = self.group.wrap(self.model, self.args.strategy)  # DDP when world > 1
-        if self.args.execution_mode == "compile":
-            backend = self.args.torch_compile_backend or self.accelerator.compile_backend()
-            self.wrapped = torch.compile(self.wrapped, backend=backend)
+        if self.args.use_graphs_for_training:
+            self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
+        elif self.accelerator.execution_mode == "compile":
+            self.wrapped = execution.compile_model(self.wrapped, self.args, self.accelerator)
         self.optimizer = self.scheduler = None
         self.global_step = 0
         self._stop_signal: int | None = None
@@ -89,21 +90,23 @@ class Trainer:
         start_step = self.global_step = state.get("global_step", 0)
         sinks = self._sinks(total_steps, start_step)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
+        watch = execution.step_watch(args, accelerator)  # graph compiles in lazy mode
         micro_batches = batches.iterate(start_step)
         accumulate = args.gradient_accumulation_steps
-        logged_loss = torch.zeros((), device=self.device)  # summed on device between logs
+        logged_loss = self._device_zero()  # summed on device between logs
         steps_since_log, grad_norm, last_loss = 0, None, None
         self.model.train()
         previous_handlers = self._catch_stop_signals()
         try:
             while self.global_step < total_steps and self._stop_signal is None:
+                watch.step_begin(self.global_step + 1)
                 samples = tokens = 0
                 for micro in range(accumulate):
                     batch = to_device(next(micro_batches), self.device, args.non_blocking_data_copy)
                     samples, tokens = samples + _batch_size(batch), tokens + _token_count(batch)
                     # Gradients are all-reduced only on the last micro-batch of the step.
                     with self.group.sync_gradients(self.wrapped, micro == accumulate - 1):
-                        with self.precision.forward_context():
+                        with accelerator.forward_context(), self.precision.forward_context():
                             loss = self._loss(batch) / accumulate
                         if args.pipelining_fwd_bwd:
                             accelerator.mark_step()  # run the forward graph while building backward
@@ -118,6 +121,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 accelerator.mark_step()
                 self.global_step += 1
+                watch.step_end(self.global_step, batch)
                 steps_since_log += 1
                 clock.step_done(samples * self.group.world_size, tokens * self.group.world_size)
                 sinks.advance()
@@ -125,8 +129,7 @@ class Trainer:
                 if self.global_step % args.logging_steps == 0 or self.global_step == total_steps:
                     clock.pause()  # the read-back below is the only host sync of the loop
                     last_loss = self._log(sinks, clock, batches, logged_loss, steps_since_log, grad_norm)
-                    logged_loss.zero_()
-                    steps_since_log = 0
+                    logged_loss, steps_since_log = self._device_zero(), 0
                     clock.resume()
                 if args.eval_steps and self.global_step % args.eval_steps == 0 and self.eval_dataset is not None:
                     clock.pause()
@@ -136,13 +139,14 @@ class Trainer:
                     clock.pause()
                     self._save(batches)
                     clock.resume()
-            summary = self._finish(sinks, clock, batches)
+            summary = self._finish(sinks, clock, batches, watch)
         finally:
             self._restore_signal_handlers(previous_handlers)
             sinks.close()
         return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
 
-    def _finish(self, sinks: MetricSinks, clock: ThroughputClock, batches: MicroBatches) -> dict:
+    def _finish(self, sinks: MetricSinks, clock: ThroughputClock, batches: MicroBatches,
+                watch: execution.StepWatch) -> dict:
         """After the last step (or a stop signal): evaluate and save unless the step just did,
         then write the summary record."""
         args, step = self.args, self.global_step
@@ -152,7 +156,8 @@ class Trainer:
             self.evaluate(sinks=sinks)
         if not (args.save_steps and step % args.save_steps == 0):
             self._save(batches)
-        summary = {"step": step, **clock.summary(self._flops_per_token(), self._peak_flops())}
+        summary = {"step": step, **clock.summary(self._flops_per_token(), self._peak_flops()),
+                   **watch.summary()}
         sinks.write(summary)
         return summary
 
@@ -160,6 +165,11 @@ class Trainer:
         if self.compute_loss is not None:
             return self.compute_loss(self.wrapped, batch)
         return loss_of(self._forward(batch))
+
+    def _device_zero(self) -> torch.Tensor:
+        """A zero made on the host and copied over: in lazy mode a copy is graph input data, where
+        `zero_()` would be one more op in the next step's graph."""
+        return torch.zeros(()).to(self.device)
 
     def _forward(self, batch):
         """Call the model on a batch: a dict by keyword (only the keys its forward accepts)."""
@@ -171,9 +181,9 @@ class Trainer:
         return self.wrapped(batch)
 
     def _log(self, sinks, clock, batches, logged_loss, steps, grad_norm) -> float:
-        """One logging record; the host reads the loss and grad norm back only here."""
-        loss = logged_loss.clone()
-        self.group.all_reduce_mean(loss, self.accelerator)
+        """One logging record; the host reads the loss and grad norm back only here. Nothing here
+        adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
+        loss = self.group.all_reduce_mean(logged_loss, self.accelerator)
         record = {
             "step": self.global_step,
             "epoch": round(batches.epoch_of(self.global_step), 4),
@@ -198,7 +208,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         for batch in self._eval_batches(dataset):
             batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-            with self.precision.forward_context():
+            with self.accelerator.forward_context(), self.precision.forward_context():
                 loss = self._loss(batch)
             size = _batch_size(batch)
             total += torch.stack([loss.detach().double() * size, torch.tensor(size, device=self.device).double()])
@@ -219,7 +229,7 @@ class Trainer:
         predictions, labels, losses = [], [], []
         for batch in self._eval_batches(test_dataset):
             batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-            with self.precision.forward_context():
+            with self.accelerator.forward_context(), self.precision.forward_context():
                 output = self._forward(batch)
             logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
             predictions.append(logits.float().cpu())

@@ -5,6 +5,7 @@ device strings or imports a vendor runtime; the trainer asks the accelerator ins
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
@@ -55,6 +56,10 @@ class Accelerator(ABC):
     def compile_backend(self) -> str:
         return "inductor"
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Entered around every forward pass, for what the device needs there."""
+        return contextlib.nullcontext()
+
     def mark_step(self) -> None:
         """Run what has been accumulated (lazy mode); a no-op on eager devices."""
 
@@ -94,9 +99,20 @@ class Accelerator(ABC):
         return tensor
 
     # -- graphs --------------------------------------------------------------------------------
+    def graph_compiles(self) -> int | None:
+        """Graphs compiled so far in lazy mode (None where the device does not count them)."""
+        return None
+
     def wrap_graph_inference(self, module: torch.nn.Module) -> torch.nn.Module:
         """The device's captured-graph mechanism for inference (static shapes assumed)."""
         return torch.compile(module, backend=self.compile_backend(), dynamic=False)
+
+    def wrap_graph_training(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Capture the training step's graphs and replay them (use_graphs_for_training)."""
+        from ..errors import InputError
+
+        raise InputError(f"use_graphs_for_training: the {self.name} has no graph capture for "
+                         "training; use execution_mode='compile' instead")
 
     # -- randomness ----------------------------------------------------------------------------
     def rng_state(self) -> torch.Tensor | None:

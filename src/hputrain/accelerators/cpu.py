@@ -49,6 +49,19 @@ def _keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 256 * 1024**2)
 
 
+_lazy_backend_started = False
+
+
+def _start_lazy_backend() -> None:
+    """PyTorch's TorchScript backend for lazy tensors; it can be started once per process."""
+    global _lazy_backend_started
+    if not _lazy_backend_started:
+        from torch._lazy import ts_backend
+
+        ts_backend.init()
+        _lazy_backend_started = True
+
+
 def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -78,15 +91,20 @@ class CPUAccelerator(Accelerator):
 
     def setup(self, local_rank: int = 0) -> torch.device:
         if self.lazy:
-            from torch._lazy import ts_backend
-
-            ts_backend.init()  # PyTorch's TorchScript backend for lazy tensors
+            _start_lazy_backend()
             return torch.device("lazy")
         _keep_freed_memory()
         return torch.device("cpu")
 
     def dist_backend(self) -> str:
         return "gloo"
+
+    def forward_context(self):
+        if not self.lazy:
+            return super().forward_context()
+        from .cpu_lazy import LazyBackendGaps
+
+        return LazyBackendGaps()
 
     def mark_step(self) -> None:
         if self.lazy:
@@ -102,9 +120,27 @@ class CPUAccelerator(Accelerator):
             "total_memory_available_gb": _ram_bytes() / GB,
         }
 
+    def graph_compiles(self) -> int | None:
+        if not self.lazy:
+            return None
+        from torch._lazy import metrics
+
+        return metrics.counter_value("UncachedCompile") or 0
+
     def make_adamw(self, params, lr, betas=(0.9, 0.999), eps=None, weight_decay=0.0, fused=None):
-        # The lazy tensor backend has no fused AdamW kernel; its graph fuses the update anyway.
-        return super().make_adamw(params, lr, betas, eps, weight_decay, False if self.lazy else fused)
+        if not self.lazy:
+            return super().make_adamw(params, lr, betas, eps, weight_decay, fused)
+        from .cpu_lazy import AdamW  # the lazy backend has neither the fused kernel nor lerp
+
+        return AdamW(params, lr=lr, betas=betas, eps=1e-8 if eps is None else eps,
+                     weight_decay=weight_decay)
+
+    def clip_grad_norm(self, parameters, max_norm, fused=None):
+        if not self.lazy:
+            return super().clip_grad_norm(parameters, max_norm, fused)
+        from .cpu_lazy import clip_grad_norm
+
+        return clip_grad_norm(list(parameters), max_norm)
 
     def rng_state(self) -> None:
         return None  # the CPU generator is saved by the checkpoint with the Python and numpy ones

@@ -63,6 +63,11 @@ class CUDAAccelerator(Accelerator):
         # "reduce-overhead" records CUDA graphs of the compiled module and replays them.
         return torch.compile(module, mode="reduce-overhead", dynamic=False)
 
+    def wrap_graph_training(self, module):
+        # torch.compile records CUDA graphs of forward and backward where it can prove it safe
+        # (static shapes, no CPU sync) and runs the rest eagerly.
+        return torch.compile(module, mode="reduce-overhead")
+
     def rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state()
 

@@ -134,6 +134,19 @@ class HPUAccelerator(Accelerator):
     def wrap_graph_inference(self, module):
         return self._runtime().wrap_in_hpu_graph(module)
 
+    def graph_compiles(self) -> int | None:
+        if not self.lazy:
+            return None
+        metrics = self._runtime("habana_frameworks.torch.hpu.metrics")
+        return int(dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"])
+
+    def wrap_graph_training(self, module):
+        if not self.lazy:
+            raise InputError("use_graphs_for_training: HPU graphs need lazy mode (execution_mode="
+                             "'lazy', PT_HPU_LAZY_MODE=1)")
+        # ModuleCacher records the module's forward and backward as HPU graphs, replayed per shape.
+        return self._runtime().ModuleCacher(max_graphs=10)(model=module, inplace=True)
+
     def rng_state(self) -> torch.Tensor:
         return self._runtime().random.get_rng_state()
 

@@ -3,6 +3,7 @@ calls: list[tuple[str, object]] = []
 available = True
 device_count = 8
 device_name = "GAUDI2"
+graph_compilations = 0
 memory = {"InUse": 3 * 1024**3, "MaxInUse": 5 * 1024**3, "Limit": 94 * 1024**3, "NumAllocs": 7}
 
 

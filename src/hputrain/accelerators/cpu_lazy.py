@@ -1,0 +1,115 @@
+"""Lazy mode on the CPU: PyTorch's TorchScript lazy tensor backend standing in for Gaudi's.
+
+The backend is a faithful dry run of a lazy-mode step (ops deferred into a graph, compiled once
+per shape, run at mark_step), but it has gaps that Gaudi has not. Left alone, they would show up
+as eager fallbacks in every script, or break it; this module routes around each, so that what
+`hputrain doctor` reports is the user's, not the backend's:
+
+- unbind, split and chunk hand back tensors the backend has lost track of (the next op sees a
+  plain CPU tensor); select and narrow give the same views and work.
+- scaled_dot_product_attention has no kernel; composed of matmul, mask and softmax it stays in
+  the graph.
+- AdamW's lerp and clip_grad_norm_'s vector norm fall back to eager ops; both are written here in
+  the backend's own ops (Gaudi has FusedAdamW and FusedClipNorm for the same work).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class LazyBackendGaps(TorchFunctionMode):
+    """Entered around the forward pass: replaces the view ops and attention described above."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        replacement = _REPLACEMENTS.get(func)
+        return (replacement or func)(*args, **kwargs)
+
+
+def _unbind(tensor, dim=0):
+    return tuple(tensor.select(dim, i) for i in range(tensor.size(dim)))
+
+
+def _split(tensor, split_size_or_sections, dim=0):
+    size = tensor.size(dim)
+    if isinstance(split_size_or_sections, int):
+        sections = [min(split_size_or_sections, size - start)
+                    for start in range(0, size, split_size_or_sections)]
+    else:
+        sections = list(split_size_or_sections)
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    return tuple(tensor.narrow(dim, start, length) for start, length in zip(starts, sections))
+
+
+def _chunk(tensor, chunks, dim=0):
+    return _split(tensor, -(-tensor.size(dim) // chunks), dim)
+
+
+def _composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False):
+    if enable_gqa and k.size(-3) != q.size(-3):
+        repeat = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    scale = scale if scale is not None else q.size(-1) ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        length, source = q.size(-2), k.size(-2)
+        future = torch.ones(length, source, dtype=torch.bool, device=q.device).triu(source - length + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+                  if attn_mask.dtype == torch.bool else scores + attn_mask)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
+_REPLACEMENTS = {
+    torch.unbind: _unbind, torch.Tensor.unbind: _unbind,
+    torch.split: _split, torch.Tensor.split: _split,
+    torch.chunk: _chunk, torch.Tensor.chunk: _chunk,
+    F.scaled_dot_product_attention: _composed_attention,
+}
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) in ops the lazy backend has: the same
+    update as torch.optim.AdamW, checked against it in the tests."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["step"] += 1  # a host int: the graph sees the bias corrections as constants
+                step, grad = state["step"], param.grad
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+        return loss
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ (2-norm, in place) in ops the lazy backend has; returns the total norm."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.stack([g.detach().pow(2).sum() for g in grads]).sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        grad.detach().mul_(scale)
+    return total

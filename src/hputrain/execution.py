@@ -1,0 +1,87 @@
+"""Execution modes: eager (op by op), lazy (graphs accumulated and run at mark_step) and compile
+(torch.compile with the accelerator's backend); and what the trainer watches of each step.
+
+The accelerator resolves "auto" (lazy on Gaudi, eager elsewhere) and knows how to run lazily; this
+module holds what is the same on every device.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import TrainingArguments
+
+
+def move_to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)`, keeping tied parameters tied.
+
+    Moving to a device whose tensors are of another kind (lazy, Gaudi, XLA) gives each module a
+    new Parameter, so a weight shared by two modules (a GPT's embedding and output layer) would
+    silently become two weights that train apart. They are tied again after the move.
+    """
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.to(device)
+    for names in shared.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
+    return model
+
+
+def compile_model(module: torch.nn.Module, args: TrainingArguments, accelerator) -> torch.nn.Module:
+    """torch.compile with `torch_compile_backend`, else the accelerator's own backend."""
+    backend = args.torch_compile_backend or accelerator.compile_backend()
+    return torch.compile(module, backend=backend)
+
+
+class StepWatch:
+    """Watches each optimizer step. This base does nothing: eager and compile runs, and lazy runs
+    on devices without a compile counter."""
+
+    def step_begin(self, step: int) -> None:
+        """Called before the first micro-batch of optimizer step `step` (counted from 1)."""
+
+    def step_end(self, step: int, batch) -> None:
+        """Called after the optimizer step and its mark_step, with the step's last batch."""
+
+    def summary(self) -> dict:
+        return {}
+
+
+class GraphCompiles(StepWatch):
+    """Lazy mode: graphs compiled inside training steps, in total and after the warm-up steps. A
+    step that keeps compiling after warm-up has shapes that change (or reads values back); the
+    compiles of evaluation, logging and checkpointing fall outside steps and are not counted."""
+
+    def __init__(self, counter, warmup_steps: int) -> None:
+        self.counter, self.warmup_steps = counter, warmup_steps
+        self.total = self.after_warmup = 0
+        self.steps_seen = 0
+        self._at_begin = 0
+
+    def step_begin(self, step: int) -> None:
+        self._at_begin = self.counter()
+
+    def step_end(self, step: int, batch) -> None:
+        new = self.counter() - self._at_begin
+        self.steps_seen += 1
+        self.total += new
+        if self.steps_seen > self.warmup_steps:
+            self.after_warmup += new
+
+    def summary(self) -> dict:
+        return {"graph_compiles": self.total, "graph_compiles_after_warmup": self.after_warmup}
+
+
+# `hputrain doctor` installs a factory here to watch the steps of a script it runs.
+_watch_factory = None
+
+
+def step_watch(args: TrainingArguments, accelerator) -> StepWatch:
+    if _watch_factory is not None:
+        return _watch_factory(args, accelerator)
+    if accelerator.lazy and accelerator.graph_compiles() is not None:
+        return GraphCompiles(accelerator.graph_compiles, args.throughput_warmup_steps)
+    return StepWatch()
