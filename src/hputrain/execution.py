@@ -75,13 +75,33 @@ class GraphCompiles(StepWatch):
         return {"graph_compiles": self.total, "graph_compiles_after_warmup": self.after_warmup}
 
 
-# `hputrain doctor` installs a factory here to watch the steps of a script it runs.
-_watch_factory = None
+class Session:
+    """A tool that runs a user's script (`hputrain doctor`) and adjusts every Trainer it makes.
+    The base adjusts nothing."""
+
+    def adjust(self, args: TrainingArguments) -> TrainingArguments:
+        return args
+
+    def watch(self, args: TrainingArguments, accelerator) -> StepWatch | None:
+        return None
+
+
+_session = Session()
+
+
+def install_session(session: Session | None) -> None:
+    global _session
+    _session = session or Session()
+
+
+def adjust_args(args: TrainingArguments) -> TrainingArguments:
+    return _session.adjust(args)
 
 
 def step_watch(args: TrainingArguments, accelerator) -> StepWatch:
-    if _watch_factory is not None:
-        return _watch_factory(args, accelerator)
+    watch = _session.watch(args, accelerator)
+    if watch is not None:
+        return watch
     if accelerator.lazy and accelerator.graph_compiles() is not None:
         return GraphCompiles(accelerator.graph_compiles, args.throughput_warmup_steps)
     return StepWatch()

@@ -56,7 +56,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, args: TrainingArguments | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None) -> None:
-        self.args = args or TrainingArguments()
+        self.args = execution.adjust_args(args or TrainingArguments())
         self.config = accelerator_config or AcceleratorConfig()
         self.accelerator = accelerator or detect_accelerator(self.args.accelerator,
                                                              self.args.execution_mode)
