@@ -8,8 +8,6 @@ before the first step ends, and the end of the run do not count.
 """
 from __future__ import annotations
 
-import argparse
-import statistics
 import tempfile
 import time
 
@@ -17,8 +15,9 @@ import torch
 
 from hputrain import Trainer, TrainingArguments, execution
 from hputrain.accelerators import detect_accelerator
-from hputrain.data import load_corpus
-from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.models.gpt import GPT
+
+from common import median_step, model_and_data, parser, print_table
 
 
 class StepTimes(execution.StepWatch):
@@ -51,41 +50,20 @@ def run(mode, opts, data, config) -> float:
             Trainer(GPT(config), args, train_dataset=data).train()
     finally:
         execution.install_session(None)
-    stamps = session.watches[-1].stamps
-    return statistics.median(b - a for a, b in zip(stamps[opts.warmup:], stamps[opts.warmup + 1:]))
+    return median_step(session.watches[-1].stamps, opts.warmup)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, steps=40, repeats=3)
     p.add_argument("--modes", nargs="+", default=["eager", "compile", "lazy"])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--bf16", action="store_true")
     opts = p.parse_args()
     accelerator = detect_accelerator()
-    config = GPTConfig.from_size(opts.size, block_size=opts.seq_len)
-    data, _ = load_corpus(seq_len=opts.seq_len, max_bytes=4_000_000)
+    config, data = model_and_data(opts)
     times = {mode: [] for mode in opts.modes}
     for _ in range(opts.repeats):
         for mode in opts.modes:
             times[mode].append(run(mode, opts, data, config))
-    eager = statistics.median(times["eager"]) if "eager" in times else None
-    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch}, bf16={opts.bf16}, "
-          f"{opts.steps} steps, first {opts.warmup} left out, {opts.repeats} interleaved repeats")
-    print("| mode | median step (ms) | speed vs eager |")
-    print("|---|---|---|")
-    for mode, values in times.items():
-        median = statistics.median(values)
-        ratio = f"{eager / median:.2f}x" if eager else "-"
-        print(f"| {mode} | {median * 1e3:.1f} | {ratio} |")
-    print({mode: [round(v * 1e3, 1) for v in values] for mode, values in times.items()})
-
+    print_table(accelerator, opts, times, baseline=opts.modes[0], column="mode")
 
 if __name__ == "__main__":
     main()

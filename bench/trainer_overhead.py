@@ -8,10 +8,6 @@ data set-up and the end of the run do not count.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
 import tempfile
 import time
 
@@ -19,8 +15,9 @@ import torch
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
-from hputrain.data import load_corpus
-from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.models.gpt import GPT
+
+from common import median_step, model_and_data, parser, print_table
 from hputrain.optim import lr_lambda
 
 
@@ -69,43 +66,20 @@ def with_trainer(config, data, opts, device, synchronize) -> list[float]:
     return stamps
 
 
-def median_step(stamps: list[float], warmup: int) -> float:
-    return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:]))
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--bf16", action="store_true")
+    p = parser(__doc__, steps=60, repeats=5)
     opts = p.parse_args()
     accelerator = detect_accelerator()
     device = accelerator.setup(0)
-    config = GPTConfig.from_size(opts.size, block_size=opts.seq_len)
-    data, _ = load_corpus(seq_len=opts.seq_len, max_bytes=4_000_000)
+    config, data = model_and_data(opts)
     runs = {"hand-written loop": [], "hputrain Trainer": []}
     for _ in range(opts.repeats):  # interleaved, so drift in the machine hits both alike
         runs["hand-written loop"].append(median_step(
             hand_written(config, data, opts, device, accelerator.synchronize), opts.warmup))
         runs["hputrain Trainer"].append(median_step(
             with_trainer(config, data, opts, device, accelerator.synchronize), opts.warmup))
-    hand = statistics.median(runs["hand-written loop"])
     print()
-    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, python {platform.python_version()}")
-    print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch}, bf16={opts.bf16}, "
-          f"{opts.steps} steps, first {opts.warmup} left out, {opts.repeats} interleaved repeats")
-    print("| loop | median step (ms) | vs hand-written |")
-    print("|---|---|---|")
-    for name, values in runs.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median * 1e3:.2f} | {median / hand:.3f}x |")
-    print(json.dumps({k: [round(v * 1e3, 3) for v in vals] for k, vals in runs.items()}))
-
+    print_table(accelerator, opts, runs, baseline="hand-written loop", column="loop")
 
 if __name__ == "__main__":
     main()

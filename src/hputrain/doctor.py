@@ -24,25 +24,17 @@ import traceback
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from . import execution
+from .accelerators.cpu_lazy import HostReads, lazy_counters
 from .config import TrainingArguments
 from .errors import InputError
 
-# Tensor methods that bring a value back to the host.
-_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu,
-          torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-          torch.Tensor.__index__, torch.Tensor.__repr__, torch.Tensor.__format__}
 _PACKAGE = str(Path(__file__).parent)
 
 
 class DoctorFinished(Exception):
     """Raised after the last watched step to stop the user's script."""
-
-
-def _lazy_tensors(args) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.device.type == "lazy" for a in args)
 
 
 def _user_frame() -> str:
@@ -51,36 +43,6 @@ def _user_frame() -> str:
         if not frame.filename.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in frame.filename:
             return f"{Path(frame.filename).name}:{frame.lineno}"
     return "?"
-
-
-class HostReads(TorchFunctionMode):
-    """Counts reads of lazy tensors back to the host while a step is open."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_step = False
-        self.count = 0
-        self.where: dict[str, int] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        reads = func in _READS or (func is torch.Tensor.to and _to_host(args, kwargs))
-        if self.in_step and reads and _lazy_tensors(args):
-            self.count += 1
-            name = f"{getattr(func, '__name__', func)} at {_user_frame()}"
-            self.where[name] = self.where.get(name, 0) + 1
-        return func(*args, **kwargs)
-
-
-def _to_host(args, kwargs) -> bool:
-    target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
-
-
-def _counters() -> dict[str, int]:
-    from torch._lazy import metrics
-
-    return {name: metrics.counter_value(name) for name in metrics.counter_names()}
 
 
 class DoctorWatch(execution.StepWatch):
@@ -93,13 +55,13 @@ class DoctorWatch(execution.StepWatch):
         self._reads_before = 0
 
     def step_begin(self, step: int) -> None:
-        self._before = _counters()
+        self._before = lazy_counters()
         self._reads_before = self.reads.count
         self.reads.in_step = True
 
     def step_end(self, step: int, batch) -> None:
         self.reads.in_step = False
-        after = _counters()
+        after = lazy_counters()
         new = {k: v - self._before.get(k, 0) for k, v in after.items() if v != self._before.get(k, 0)}
         self.records.append({
             "step": step,
@@ -175,7 +137,7 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
     if not path.is_file():
         raise InputError(f"script {script} does not exist")
     os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
-    reads = HostReads()
+    reads = HostReads(locate=_user_frame)
     with tempfile.TemporaryDirectory(prefix="hputrain-doctor-") as output_dir:
         session = DoctorSession(steps, output_dir, reads)
         execution.install_session(session)

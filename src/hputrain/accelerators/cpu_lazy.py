@@ -113,3 +113,49 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     for grad in grads:
         grad.detach().mul_(scale)
     return total
+
+
+# -- what `hputrain doctor` watches ------------------------------------------------------------------
+
+# Tensor methods that bring a value back to the host.
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu,
+          torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+          torch.Tensor.__index__, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of lazy tensors back to the host while `in_step` is set, by where they happen
+    (`locate()` names the place)."""
+
+    def __init__(self, locate) -> None:
+        super().__init__()
+        self.locate = locate
+        self.in_step = False
+        self.count = 0
+        self.where: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads = func in _READS or (func is torch.Tensor.to and _to_host(args, kwargs))
+        if self.in_step and reads and any(_is_lazy(a) for a in args):
+            self.count += 1
+            name = f"{getattr(func, '__name__', func)} at {self.locate()}"
+            self.where[name] = self.where.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def _is_lazy(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "lazy"
+
+
+def _to_host(args, kwargs) -> bool:
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+def lazy_counters() -> dict[str, int]:
+    """The lazy backend's counters: UncachedCompile (graphs compiled), aten::OP (ops run eagerly
+    because no graph could hold them; aten::_local_scalar_dense is a value read back)."""
+    from torch._lazy import metrics
+
+    return {name: metrics.counter_value(name) for name in metrics.counter_names()}

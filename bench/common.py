@@ -1,0 +1,52 @@
+"""What the benchmarks share: the built-in GPT set-up flags and the median step time."""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from hputrain.data import load_corpus
+from hputrain.models.gpt import GPTConfig
+
+
+def parser(doc: str, steps: int, repeats: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=10, help="first steps left out")
+    p.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats")
+    p.add_argument("--size", default="tiny", help="GPT size: tiny, small, base")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--bf16", action="store_true")
+    return p
+
+
+def model_and_data(opts) -> tuple[GPTConfig, object]:
+    """The GPT shape and the training windows (the first 4 MB of the standard library)."""
+    config = GPTConfig.from_size(opts.size, block_size=opts.seq_len)
+    data, _ = load_corpus(seq_len=opts.seq_len, max_bytes=4_000_000)
+    return config, data
+
+
+def median_step(stamps: list[float], warmup: int) -> float:
+    """Median time between consecutive step stamps, leaving out the first `warmup` steps."""
+    return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:]))
+
+
+def print_table(accelerator, opts, runs: dict[str, list[float]], baseline: str, column: str) -> None:
+    """The machine, the set-up, and a Markdown table of median step times relative to `baseline`
+    (time ratio: below 1 is faster); then every repeat's figure."""
+    import platform
+
+    import torch
+
+    base = statistics.median(runs[baseline])
+    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+    print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch}, bf16={opts.bf16}, "
+          f"{opts.steps} steps, first {opts.warmup} left out, {opts.repeats} interleaved repeats")
+    print(f"| {column} | median step (ms) | time vs {baseline} |")
+    print("|---|---|---|")
+    for name, values in runs.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median * 1e3:.2f} | {median / base:.3f}x |")
+    print({name: [round(v * 1e3, 2) for v in values] for name, values in runs.items()})
