@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+import time
 
+import torch
+
+from hputrain import Trainer, TrainingArguments, execution
 from hputrain.data import load_corpus
 from hputrain.models.gpt import GPTConfig
 
@@ -50,3 +55,39 @@ def print_table(accelerator, opts, runs: dict[str, list[float]], baseline: str, 
         median = statistics.median(values)
         print(f"| {name} | {median * 1e3:.2f} | {median / base:.3f}x |")
     print({name: [round(v * 1e3, 2) for v in values] for name, values in runs.items()})
+
+
+class _StepTimes(execution.StepWatch):
+    def __init__(self, synchronize):
+        self.synchronize, self.stamps = synchronize, []
+
+    def step_end(self, step, batch):
+        self.synchronize()
+        self.stamps.append(time.perf_counter())
+
+
+class _Timing(execution.Session):
+    """Stamps the end of every optimizer step of the trainers made while installed."""
+
+    def __init__(self):
+        self.watches = []
+
+    def watch(self, args, accelerator):
+        self.watches.append(_StepTimes(accelerator.synchronize))
+        return self.watches[-1]
+
+
+def trainer_step_time(model, data, opts, accelerator_config=None, **training) -> float:
+    """Median step time of `model` trained by hputrain's Trainer, timed by its own step hook."""
+    session = _Timing()
+    execution.install_session(session)
+    try:
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, max_steps=opts.steps, learning_rate=1e-3,
+                                     logging_steps=10, save_steps=0, disable_tqdm=True,
+                                     per_device_train_batch_size=opts.batch, **training)
+            Trainer(model, args, train_dataset=data, accelerator_config=accelerator_config).train()
+    finally:
+        execution.install_session(None)
+    return median_step(session.watches[-1].stamps, opts.warmup)

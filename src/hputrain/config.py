@@ -176,6 +176,8 @@ class TrainingArguments:
     """Seed for model initialisation, data order and dropout."""
     bf16: bool = False
     """Mixed precision with bfloat16 autocast."""
+    precision: str | None = None
+    """The same in Lightning's spelling (bf16-mixed, bf16, 32-true, 32); when set, it decides bf16."""
     torch_compile: bool = False
     """Compile the model with torch.compile (same as execution_mode="compile")."""
     torch_compile_backend: str | None = None
@@ -235,6 +237,10 @@ class TrainingArguments:
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
         _check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
+        if self.precision is not None:
+            from .precision import parse_precision
+
+            self.bf16 = parse_precision(self.precision) == "bf16-mixed"
         if self.torch_compile:
             _check(self.execution_mode in ("auto", "compile"),
                    f"torch_compile=True conflicts with execution_mode={self.execution_mode!r}")

@@ -1,27 +1,161 @@
-"""Precision plugins. The base does nothing; each subclass overrides only what it changes.
+"""Precision plugins, and op-list autocast on every device.
 
-The trainer always calls `precision.forward_context()` around the forward pass and
-`precision.compute_dtype` for throughput figures; full precision is a disabled no-op, never an `if`.
+The base plugin does nothing; each subclass overrides only what it changes (STYLE.md, rule 5). The
+trainer always enters `precision.forward_context()` around the forward pass and calls
+`precision.convert_module(model)` once; full precision is a no-op object, never an `if`.
+
+Op lists are Optimum for Intel Gaudi's (autocast_bf16_ops / autocast_fp32_ops, formerly
+hmp_bf16_ops / hmp_fp32_ops). Gaudi's runtime applies them itself; on other devices
+`hputrain.autocast` applies them, so a list tuned on one device runs the same on another.
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from .config import AcceleratorConfig, TrainingArguments
+from .errors import InputError
 
+T = torch.Tensor
+
+# Op names as Gaudi config files spell them -> the Python callables that reach that op, both the
+# functional forms (torch.mm, F.linear, which nn.Linear calls) and the operators (`a + b` arrives
+# as Tensor.add, `a / b` as Tensor.div, `x += y` as Tensor.add_, `a @ b` as Tensor.matmul).
+OPS: dict[str, tuple] = {
+    "add": (torch.add, T.add, T.__add__, T.__radd__),
+    "iadd": (T.add_, T.__iadd__),
+    "sub": (torch.sub, T.sub, T.__sub__),
+    "rsub": (torch.rsub, T.__rsub__),
+    "mul": (torch.mul, T.mul, T.__mul__, T.__rmul__),
+    "imul": (T.mul_, T.__imul__),
+    "div": (torch.div, T.div, torch.divide),
+    "truediv": (T.div, T.__truediv__, T.__rtruediv__, torch.true_divide),
+    "pow": (torch.pow, T.pow, T.__pow__),
+    "matmul": (torch.matmul, T.matmul, T.__matmul__),
+    "mm": (torch.mm, T.mm),
+    "bmm": (torch.bmm, T.bmm),
+    "addmm": (torch.addmm, T.addmm),
+    "baddbmm": (torch.baddbmm, T.baddbmm),
+    "linear": (F.linear,),
+    "conv1d": (F.conv1d, torch.conv1d),
+    "conv2d": (F.conv2d, torch.conv2d),
+    "embedding": (F.embedding,),
+    "layer_norm": (F.layer_norm, torch.layer_norm),
+    "group_norm": (F.group_norm, torch.group_norm),
+    "batch_norm": (F.batch_norm, torch.batch_norm),
+    "softmax": (F.softmax, torch.softmax, T.softmax),
+    "log_softmax": (F.log_softmax, torch.log_softmax, T.log_softmax),
+    "logsumexp": (torch.logsumexp, T.logsumexp),
+    "gelu": (F.gelu,),
+    "silu": (F.silu,),
+    "relu": (F.relu, torch.relu, T.relu),
+    "tanh": (torch.tanh, T.tanh),
+    "sigmoid": (torch.sigmoid, T.sigmoid),
+    "softplus": (F.softplus,),
+    "dropout": (F.dropout,),
+    "exp": (torch.exp, T.exp),
+    "log": (torch.log, T.log),
+    "sqrt": (torch.sqrt, T.sqrt),
+    "rsqrt": (torch.rsqrt, T.rsqrt),
+    "sum": (torch.sum, T.sum),
+    "mean": (torch.mean, T.mean),
+    "cumsum": (torch.cumsum, T.cumsum),
+    "nll_loss": (F.nll_loss,),
+    "cross_entropy": (F.cross_entropy,),
+    "mse_loss": (F.mse_loss,),
+    "scaled_dot_product_attention": (F.scaled_dot_product_attention,),
+}
+_IN_PLACE = {T.add_, T.__iadd__, T.mul_, T.__imul__}
+
+
+def op_table(bf16_ops=None, fp32_ops=None, dtype=torch.bfloat16) -> dict:
+    """callable -> the dtype its inputs are cast to. Unknown names and a name in both lists are
+    errors that say so."""
+    table, owner = {}, {}
+    for names, target in ((bf16_ops or [], dtype), (fp32_ops or [], torch.float32)):
+        for name in names:
+            if name not in OPS:
+                near = difflib.get_close_matches(name, OPS, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise InputError(f"unknown op {name!r} in an autocast op list{hint}")
+            for func in OPS[name]:
+                if table.get(func, target) != target:
+                    raise InputError(f"op lists disagree: {owner[func]!r} and {name!r} both cover "
+                                     f"{getattr(func, '__name__', func)} with different dtypes")
+                table[func], owner[func] = target, name
+    return table
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+class _OpLists(TorchFunctionMode):
+    """Runs each listed op with its floating-point inputs cast to the listed dtype (recorded by
+    autograd, so gradients reach the parameters in their own dtype) and torch.autocast paused,
+    so that the listed dtype is what the op computes and returns. In-place ops cast only their
+    other operands: the tensor they update keeps its dtype."""
+
+    def __init__(self, table: dict, device_type: str) -> None:
+        super().__init__()
+        self.table, self.device_type = table, device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = self.table.get(func)
+        if target is None:
+            return func(*args, **kwargs)
+        if func in _IN_PLACE:
+            args = (args[0], *_cast(args[1:], target))
+        else:
+            args = _cast(args, target)
+        kwargs = {k: _cast(v, target) for k, v in kwargs.items()}
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **kwargs)
+
+
+def autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16, bf16_ops=None,
+             fp32_ops=None) -> contextlib.AbstractContextManager:
+    """torch.autocast, plus op lists: every op in `bf16_ops` runs in `dtype` and every op in
+    `fp32_ops` in float32, whatever torch.autocast would choose; ops in neither list follow
+    torch.autocast. Op names are those of Gaudi config files (see OPS)."""
+    return _autocast_with(op_table(bf16_ops, fp32_ops, dtype), device_type, dtype)
+
+
+@contextlib.contextmanager
+def _autocast_with(table: dict, device_type: str, dtype: torch.dtype):
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        if not table:
+            yield
+            return
+        with _OpLists(table, device_type):
+            yield
+
+
+# -- the plugins -------------------------------------------------------------------------------------
 
 class Precision:
     """Full precision: parameters, activations and gradients in float32."""
 
     compute_dtype = torch.float32
+    name = "32-true"
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Change the module's layers for this precision (fp8 replaces Linear layers)."""
+        return module
+
     def __repr__(self) -> str:
-        return type(self).__name__
+        return f"{type(self).__name__}({self.name})"
 
 
 class BF16Autocast(Precision):
@@ -29,6 +163,7 @@ class BF16Autocast(Precision):
     matrix products in bfloat16."""
 
     compute_dtype = torch.bfloat16
+    name = "bf16-mixed"
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
@@ -37,8 +172,45 @@ class BF16Autocast(Precision):
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
 
-def select_precision(args: TrainingArguments, config: AcceleratorConfig, accelerator) -> Precision:
-    """bf16 when TrainingArguments.bf16 or the accelerator config asks for mixed precision."""
-    if args.bf16 or config.mixed_precision:
-        return BF16Autocast(accelerator.autocast_device_type)
-    return Precision()
+class OpListAutocast(BF16Autocast):
+    """bf16 autocast with Gaudi-style op lists, applied by hputrain (see `autocast`)."""
+
+    def __init__(self, device_type: str, bf16_ops=None, fp32_ops=None) -> None:
+        super().__init__(device_type)
+        self.table = op_table(bf16_ops, fp32_ops)  # checked now: a bad name fails before training
+
+    def forward_context(self):
+        return _autocast_with(self.table, self.device_type, torch.bfloat16)
+
+
+# Spellings users bring from Lightning, the Hugging Face Trainer and Accelerate.
+_BF16 = {"bf16", "bf16-mixed", "bf16_mixed", "bfloat16", "true"}
+_FP32 = {"32", "32-true", "fp32", "float32", "no", "false"}
+
+
+def parse_precision(value) -> str:
+    """"bf16-mixed" or "32-true" from a bool or any common spelling; anything else is an error
+    (bf16 is never silently dropped)."""
+    spelling = str(value).strip().lower()
+    if value is True or spelling in _BF16:
+        return "bf16-mixed"
+    if value is False or value is None or spelling in _FP32:
+        return "32-true"
+    raise InputError(f"unknown precision {value!r}: use bf16-mixed (bf16, bfloat16) or 32-true (32, fp32)"
+                     + ("; fp16 is not supported, use bf16" if "16" in spelling else ""))
+
+
+def select_precision(args, config, accelerator) -> Precision:
+    """The plugin for TrainingArguments.bf16 and the accelerator config (use_torch_autocast or
+    the legacy use_habana_mixed_precision, with their op lists)."""
+    wants_bf16 = parse_precision(args.bf16) == "bf16-mixed" or config.mixed_precision
+    if not wants_bf16:
+        return Precision()
+    if not accelerator.supports_bf16():
+        raise InputError(f"bf16 was asked for, but {accelerator.device_name()} ({accelerator.name}) "
+                         "cannot run bfloat16 autocast")
+    lists = config.autocast_bf16_ops or config.autocast_fp32_ops
+    if lists and not accelerator.applies_autocast_op_lists:
+        return OpListAutocast(accelerator.autocast_device_type, config.autocast_bf16_ops,
+                              config.autocast_fp32_ops)
+    return BF16Autocast(accelerator.autocast_device_type)

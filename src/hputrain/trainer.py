@@ -58,8 +58,9 @@ class Trainer:
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None) -> None:
         self.args = execution.adjust_args(args or TrainingArguments())
         self.config = accelerator_config or AcceleratorConfig()
-        self.accelerator = accelerator or detect_accelerator(self.args.accelerator,
-                                                             self.args.execution_mode)
+        self.accelerator = accelerator or detect_accelerator(
+            self.args.accelerator, self.args.execution_mode,
+            (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops) if self.config.mixed_precision else None)
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.device = self.accelerator.setup(self.group.local_rank)
         self.group.init()
@@ -67,7 +68,7 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
-        self.model = execution.move_to_device(model, self.device)
+        self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
         self.inputs = model_input_names(model)
         self.wrapped = self.group.wrap(self.model, self.args.strategy)  # DDP when world > 1
         if self.args.use_graphs_for_training:

@@ -21,8 +21,13 @@ class Accelerator(ABC):
     #: torch.autocast's device_type for this device.
     autocast_device_type: str = "cpu"
 
-    def __init__(self, execution_mode: str = "auto") -> None:
+    #: Whether the device's runtime applies Gaudi-style autocast op lists itself.
+    applies_autocast_op_lists: bool = False
+
+    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None) -> None:
+        """`autocast_op_lists`: (bf16 ops, fp32 ops), for a runtime that takes them at start-up."""
         self.execution_mode = self.default_execution_mode() if execution_mode == "auto" else execution_mode
+        self.autocast_op_lists = autocast_op_lists
 
     def default_execution_mode(self) -> str:
         """What execution_mode="auto" means on this device."""
@@ -70,6 +75,10 @@ class Accelerator(ABC):
     @abstractmethod
     def memory_stats(self) -> dict[str, float]:
         """memory_allocated_gb, max_memory_allocated_gb and total_memory_available_gb."""
+
+    def supports_bf16(self) -> bool:
+        """Whether bfloat16 autocast runs here."""
+        return True
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense peak FLOP/s of one device for `dtype`, or None when not known."""

@@ -46,6 +46,9 @@ class CUDAAccelerator(Accelerator):
             "total_memory_available_gb": total / GB,
         }
 
+    def supports_bf16(self) -> bool:
+        return torch.cuda.is_bf16_supported()
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         name = self.device_name()
         for key, table in _PEAK_FLOPS.items():

@@ -6,10 +6,13 @@ something imported the runtime earlier with other values, that is an error, not 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -20,6 +23,17 @@ from .base import GB, Accelerator
 _PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
 
 
+def _op_list_file(ops: list[str]) -> str:
+    """A file of op names, one per line, named by its content: the same list gives the same path,
+    so a second accelerator with the same lists agrees with the runtime's environment."""
+    text = "\n".join(ops) + "\n"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"hputrain-autocast-{digest}.txt"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
 class HPUEnvironmentError(InputError):
     """The Gaudi runtime was imported before its environment variables could be set."""
 
@@ -27,9 +41,10 @@ class HPUEnvironmentError(InputError):
 class HPUAccelerator(Accelerator):
     name = "hpu"
     autocast_device_type = "hpu"
+    applies_autocast_op_lists = True  # from the files named by PT_HPU_AUTOCAST_*_OPS_LIST
 
-    def __init__(self, execution_mode: str = "auto") -> None:
-        super().__init__(execution_mode)
+    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None) -> None:
+        super().__init__(execution_mode, autocast_op_lists)
         self._clip = None  # FusedClipNorm, built on first use
 
     def default_execution_mode(self) -> str:
@@ -38,12 +53,17 @@ class HPUAccelerator(Accelerator):
 
     # -- the runtime ---------------------------------------------------------------------------
     def runtime_env(self) -> dict[str, str]:
-        """The variables the runtime must see at import for this execution mode."""
-        if self.lazy:
-            return {"PT_HPU_LAZY_MODE": "1"}
-        # Eager and torch.compile need 64-bit integer support (token ids, indices).
-        return {"PT_HPU_LAZY_MODE": "0",
-                "PT_ENABLE_INT64_SUPPORT": os.environ.get("PT_ENABLE_INT64_SUPPORT", "1")}
+        """The variables the runtime must see at import: the execution mode, and the autocast op
+        lists as files, one op name per line."""
+        env = {"PT_HPU_LAZY_MODE": "1" if self.lazy else "0"}
+        if not self.lazy:  # eager and torch.compile need 64-bit integers (token ids, indices)
+            env["PT_ENABLE_INT64_SUPPORT"] = os.environ.get("PT_ENABLE_INT64_SUPPORT", "1")
+        bf16_ops, fp32_ops = self.autocast_op_lists or (None, None)
+        if bf16_ops:
+            env["PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"] = _op_list_file(bf16_ops)
+        if fp32_ops:
+            env["PT_HPU_AUTOCAST_FP32_OPS_LIST"] = _op_list_file(fp32_ops)
+        return env
 
     def _runtime(self, module: str = "habana_frameworks.torch.hpu"):
         """Import a runtime module, setting the environment first on the first import."""
