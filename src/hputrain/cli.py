@@ -93,11 +93,15 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"hputrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _env_parser(sub)
+    from .defaults import add_config_parser
+    from .distributed.launch import add_launch_parser
     from .doctor import add_doctor_parser
     from .recipe import add_train_parser
     from .report import add_report_parser
 
     add_train_parser(sub)
+    add_launch_parser(sub)
+    add_config_parser(sub)
     add_report_parser(sub)
     add_doctor_parser(sub)
     return parser

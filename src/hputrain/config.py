@@ -184,6 +184,14 @@ class TrainingArguments:
     """torch.compile backend; unset means the accelerator's (inductor, or hpu_backend on Gaudi)."""
     ddp_backend: str | None = None
     """torch.distributed backend; unset means the accelerator's (gloo, nccl, hccl)."""
+    ddp_bucket_cap_mb: int | None = None
+    """DistributedDataParallel's gradient bucket size in MB; unset means torch's default (25)."""
+    ddp_find_unused_parameters: bool = False
+    """Let DistributedDataParallel handle parameters that get no gradient (slower)."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait before it fails instead of hanging."""
+    fast_ddp_bf16_gradients: bool = False
+    """With fast_ddp, all-reduce the gradients in bfloat16 (half the traffic)."""
     resume_from_checkpoint: str | None = None
     """A checkpoint folder to resume from, or "latest" for the newest in output_dir."""
     accelerator: str = "auto"
@@ -218,7 +226,7 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
                      "gradient_accumulation_steps", "logging_steps", "devices", "num_nodes",
-                     "context_parallel_size"):
+                     "context_parallel_size", "ddp_timeout"):
             _check(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_steps", "save_steps", "throughput_warmup_steps",
                      "weight_decay", "max_grad_norm"):

@@ -3,7 +3,8 @@ library's own source, found at run time, no download), on the best device presen
 
 Every TrainingArguments field is a flag; `--config FILE` (JSON or TOML) may hold the same fields and
 the recipe's own (model_size, seq_len, corpus, max_corpus_bytes). Precedence, lowest first: the
-recipe's defaults, the file, the flags typed.
+recipe's defaults, what `hputrain config` saved, the file, the flags typed. `--devices N` starts N
+processes (torchrun underneath).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from .config import (AcceleratorConfig, ConfigError, TrainingArguments, add_dataclass_flags,
                      checked_values, read_mapping)
+from .defaults import load_defaults, training_defaults
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -72,7 +74,9 @@ def resolve_settings(flags: dict) -> tuple[RecipeOptions, TrainingArguments]:
                               {k: v for k, v in file_values.items() if k not in recipe_names}, where)
     typed = {k: v for k, v in flags.items() if k not in ("config", "accelerator_config", "cpu", "func", "command")}
     recipe |= {k: v for k, v in typed.items() if k in recipe_names}
-    training = RECIPE_DEFAULTS | training | {k: v for k, v in typed.items() if k not in recipe_names}
+    saved = load_defaults()  # what `hputrain config` wrote
+    training = (RECIPE_DEFAULTS | (training_defaults(saved) if saved else {}) | training
+                | {k: v for k, v in typed.items() if k not in recipe_names})
     options = RecipeOptions(**recipe)
     if options.seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {options.seq_len}")

@@ -10,6 +10,7 @@ import math
 import os
 import random
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,8 @@ from . import checkpoint, execution
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments
 from .data import MicroBatches, default_collate, model_input_names, to_device
-from .distributed import ProcessGroup
+from .distributed import ProcessGroup, select_strategy
+from .distributed.launch import needs_launch, relaunch_current_program
 from .errors import InputError
 from .optim import create_optimizer, create_scheduler
 from .precision import select_precision
@@ -57,20 +59,24 @@ class Trainer:
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None) -> None:
         self.args = execution.adjust_args(args or TrainingArguments())
+        if needs_launch(self.args.devices, self.args.num_nodes):
+            # Lightning's way: run this program again, one process per device, and end here.
+            sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
         self.config = accelerator_config or AcceleratorConfig()
         self.accelerator = accelerator or detect_accelerator(
             self.args.accelerator, self.args.execution_mode,
             (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops) if self.config.mixed_precision else None)
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.device = self.accelerator.setup(self.group.local_rank)
-        self.group.init()
+        self.group.init(self.args.ddp_timeout)
         self.precision = select_precision(self.args, self.config, self.accelerator)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
         self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
         self.inputs = model_input_names(model)
-        self.wrapped = self.group.wrap(self.model, self.args.strategy)  # DDP when world > 1
+        self.strategy = select_strategy(self.args, self.group, self.accelerator)
+        self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts weights
         if self.args.use_graphs_for_training:
             self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
         elif self.accelerator.execution_mode == "compile":
@@ -106,7 +112,7 @@ class Trainer:
                     batch = to_device(next(micro_batches), self.device, args.non_blocking_data_copy)
                     samples, tokens = samples + _batch_size(batch), tokens + _token_count(batch)
                     # Gradients are all-reduced only on the last micro-batch of the step.
-                    with self.group.sync_gradients(self.wrapped, micro == accumulate - 1):
+                    with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
                         with accelerator.forward_context(), self.precision.forward_context():
                             loss = self._loss(batch) / accumulate
                         if args.pipelining_fwd_bwd:
@@ -114,6 +120,7 @@ class Trainer:
                         loss.backward()
                     accelerator.mark_step()
                     logged_loss += loss.detach()
+                self.strategy.reduce_gradients(self.model)  # fast_ddp: one flat all-reduce
                 if args.max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm(self.model.parameters(), args.max_grad_norm,
                                                            fused=self.config.use_fused_clip_norm)
@@ -294,6 +301,8 @@ class Trainer:
             save_total_limit=self.args.save_total_limit, barrier=self.group.barrier)
 
     def _resume(self, spec: str | None) -> dict:
+        if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
+            spec = "latest"  # torchrun restarted the job after a failure: pick up where it was
         if not spec:
             return {}
         folder = checkpoint.resolve_checkpoint(self.args.output_dir, spec)

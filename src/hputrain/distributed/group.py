@@ -3,7 +3,7 @@ MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK. One process is a group o
 method below is then a no-op, so the trainer never branches on whether it is distributed."""
 from __future__ import annotations
 
-import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -20,6 +20,7 @@ class ProcessGroup:
     local_rank: int
     world_size: int
     backend: str | Callable[[], str]
+    restarts: int = 0  # how often torchrun has restarted the job (TORCHELASTIC_RESTART_COUNT)
 
     @classmethod
     def from_env(cls, backend: str | Callable[[], str]) -> "ProcessGroup":
@@ -29,11 +30,12 @@ class ProcessGroup:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             rank = int(os.environ.get("RANK", "0"))
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         except ValueError as exc:
             raise InputError(f"bad distributed environment variable: {exc}") from None
         if not 0 <= rank < world:
             raise InputError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        return cls(rank, local_rank, world, backend)
+        return cls(rank, local_rank, world, backend, restarts)
 
     @property
     def is_main(self) -> bool:
@@ -43,25 +45,25 @@ class ProcessGroup:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def init(self) -> None:
+    def init(self, timeout_seconds: int = 1800) -> None:
+        """Join the process group. A collective that waits longer than `timeout_seconds` (a
+        rank died without the launcher noticing) fails instead of hanging."""
         if not self.distributed or dist.is_initialized():
             return
         backend = self.backend() if callable(self.backend) else self.backend
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
+                                store=self._attempt_store(timeout))
 
-    def wrap(self, model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-        """The module the training step calls: DistributedDataParallel across processes."""
-        if not self.distributed or strategy == "single":
-            return model
-        if strategy not in ("auto", "ddp"):
-            raise InputError(f"strategy {strategy!r} is not available in this version; use ddp")
-        return torch.nn.parallel.DistributedDataParallel(model)
-
-    def sync_gradients(self, wrapped: torch.nn.Module, sync: bool):
-        """Skip DDP's all-reduce on micro-batches before the last one of a step."""
-        if sync or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-            return contextlib.nullcontext()
-        return wrapped.no_sync()
+    def _attempt_store(self, timeout):
+        """Under torch's elastic agent, its store with a prefix per attempt. The agent keeps one
+        store across restarts (static rendezvous), so after a restart the ranks would read the
+        addresses the failed attempt's ranks published and wait on dead ports."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None  # env:// as usual
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"hputrain/attempt_{self.restarts}", agent_store)
 
     def all_reduce_mean(self, tensor: torch.Tensor, accelerator) -> torch.Tensor:
         if self.distributed:

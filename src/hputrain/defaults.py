@@ -1,0 +1,185 @@
+"""`hputrain config`: a short questionnaire that writes the defaults `hputrain launch` and
+`hputrain train` read (like `accelerate config`).
+
+The file is JSON holding the fields of `LaunchDefaults`. It lives at $HPUTRAIN_CONFIG_FILE, else
+$XDG_CONFIG_HOME/hputrain/default_config.json, else ~/.config/hputrain/default_config.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ACCELERATOR_NAMES, EXECUTION_MODES
+from .errors import InputError
+
+MIXED_PRECISION = ("no", "bf16")
+MAX_TRIES = 3
+
+
+def defaults_path() -> Path:
+    """Where the defaults file is read from and written to."""
+    if os.environ.get("HPUTRAIN_CONFIG_FILE"):
+        return Path(os.environ["HPUTRAIN_CONFIG_FILE"])
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "hputrain" / "default_config.json"
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        near = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise InputError(f"{name} must be one of {', '.join(choices)}; got {value!r}{hint}")
+
+
+@dataclass(kw_only=True)
+class LaunchDefaults:
+    accelerator: str = "auto"
+    """Device kind: auto, hpu, cuda, mps or cpu."""
+    nproc_per_node: int | str = "auto"
+    """Processes per node: "auto" (one per device found) or a positive number."""
+    num_nodes: int = 1
+    """Number of nodes taking part in a run."""
+    mixed_precision: str = "no"
+    """Either "no" (float32 throughout) or "bf16" (bfloat16 mixed precision)."""
+    execution_mode: str = "auto"
+    """auto (lazy on Gaudi, eager elsewhere), eager, lazy or compile."""
+
+    def __post_init__(self) -> None:
+        _check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
+        if self.nproc_per_node != "auto" and not _positive_int(self.nproc_per_node):
+            raise InputError(f"nproc_per_node must be 'auto' or a positive whole number; "
+                             f"got {self.nproc_per_node!r}")
+        if not _positive_int(self.num_nodes):
+            raise InputError(f"num_nodes must be a positive whole number; got {self.num_nodes!r}")
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
+
+
+def load_defaults(path: str | Path | None = None) -> LaunchDefaults | None:
+    """The defaults saved in `path` (default: defaults_path()), or None when there is no file."""
+    path = Path(path) if path is not None else defaults_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read defaults file {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"defaults file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"defaults file {path} must hold a JSON object, "
+                         f"got {type(data).__name__}")
+    names = [f.name for f in dataclasses.fields(LaunchDefaults)]
+    for key in data:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise InputError(f"unknown key {key!r} in defaults file {path}{hint}")
+    try:
+        return LaunchDefaults(**data)
+    except InputError as exc:
+        raise InputError(f"defaults file {path}: {exc}") from None
+
+
+def write_defaults(defaults: LaunchDefaults, path: str | Path | None = None) -> Path:
+    """Save `defaults` as JSON; the file is replaced whole, so a crash never leaves half of it."""
+    path = Path(path) if path is not None else defaults_path()
+    text = json.dumps(dataclasses.asdict(defaults), indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        raise InputError(f"cannot write defaults file {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def training_defaults(defaults: LaunchDefaults) -> dict:
+    """The TrainingArguments fields these defaults set (devices only when a number was chosen)."""
+    values = {"accelerator": defaults.accelerator, "num_nodes": defaults.num_nodes,
+              "bf16": defaults.mixed_precision == "bf16", "execution_mode": defaults.execution_mode}
+    if isinstance(defaults.nproc_per_node, int):
+        values["devices"] = defaults.nproc_per_node
+    return values
+
+
+# -- the questionnaire -----------------------------------------------------------------------------
+
+# (field, question, choices shown), asked in this order.
+_QUESTIONS = (
+    ("accelerator", "Which device should training run on?", "/".join(ACCELERATOR_NAMES)),
+    ("nproc_per_node", "How many processes per node?", "auto = one per device, or a number"),
+    ("num_nodes", "How many nodes?", "a number"),
+    ("mixed_precision", "Mixed precision?", "/".join(MIXED_PRECISION)),
+    ("execution_mode", "Which execution mode?", "/".join(EXECUTION_MODES)),
+)
+
+
+def _parse(answer: str):
+    """An answer as it goes into the file: a whole number as int, anything else lower-cased."""
+    answer = answer.strip().lower()
+    try:
+        return int(answer)
+    except ValueError:
+        return answer
+
+
+def ask(defaults: LaunchDefaults, read=input, write=print) -> LaunchDefaults:
+    """Ask the five questions, starting from `defaults`; an empty answer keeps the value shown."""
+    for name, question, choices in _QUESTIONS:
+        current = getattr(defaults, name)
+        for _ in range(MAX_TRIES):
+            try:
+                answer = read(f"{question} ({choices}) [{current}]: ")
+            except EOFError:
+                raise InputError(f"no answer to {question!r}: run `hputrain config --default` "
+                                 "to write the defaults without questions") from None
+            if not answer.strip():
+                break
+            try:
+                defaults = dataclasses.replace(defaults, **{name: _parse(answer)})
+                break
+            except InputError as exc:
+                reason = str(exc)
+                write(reason)
+        else:
+            raise InputError(f"no valid answer to {question!r} after {MAX_TRIES} tries: {reason}")
+    return defaults
+
+
+def cmd_config(args) -> int:
+    path = Path(args.file) if args.file else defaults_path()
+    if args.default:
+        defaults = LaunchDefaults()
+    else:
+        defaults = ask(load_defaults(path) or LaunchDefaults())
+    print(f"wrote {write_defaults(defaults, path)}")
+    return 0
+
+
+def add_config_parser(subparsers) -> None:
+    p = subparsers.add_parser("config", help="questionnaire that writes default launch settings")
+    p.add_argument("--default", action="store_true",
+                   help="write the built-in defaults without asking anything")
+    p.add_argument("--file", metavar="PATH",
+                   help="the file to write (default: $HPUTRAIN_CONFIG_FILE, else "
+                        "$XDG_CONFIG_HOME/hputrain/default_config.json, "
+                        "else ~/.config/hputrain/default_config.json)")
+    p.set_defaults(func=cmd_config)
