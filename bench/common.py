@@ -77,16 +77,17 @@ class _Timing(execution.Session):
         return self.watches[-1]
 
 
-def trainer_step_time(model, data, opts, accelerator_config=None, **training) -> float:
-    """Median step time of `model` trained by hputrain's Trainer, timed by its own step hook."""
+def trainer_step_time(model, data, opts, accelerator_config=None, output_dir=None, **training) -> float:
+    """Median step time of `model` trained by hputrain's Trainer, timed by its own step hook.
+    `output_dir` (a temporary one when None) must be shared by all ranks of a multi-process run."""
     session = _Timing()
     execution.install_session(session)
     try:
         torch.manual_seed(0)
-        with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(output_dir=out, max_steps=opts.steps, learning_rate=1e-3,
-                                     logging_steps=10, save_steps=0, disable_tqdm=True,
-                                     per_device_train_batch_size=opts.batch, **training)
+        with tempfile.TemporaryDirectory() as scratch:
+            args = TrainingArguments(output_dir=output_dir or scratch, max_steps=opts.steps,
+                                     learning_rate=1e-3, logging_steps=10, save_steps=0,
+                                     disable_tqdm=True, per_device_train_batch_size=opts.batch, **training)
             Trainer(model, args, train_dataset=data, accelerator_config=accelerator_config).train()
     finally:
         execution.install_session(None)

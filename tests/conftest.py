@@ -43,6 +43,8 @@ def fake_hpu():
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    """No test inherits a forced accelerator from the shell that runs pytest."""
+    """No test inherits a forced accelerator, or the defaults `hputrain config` saved, from the
+    machine that runs pytest (subprocesses inherit this environment)."""
     monkeypatch.delenv("HPUTRAIN_ACCELERATOR", raising=False)
+    monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", os.path.join(os.path.dirname(FAKES), "no-such-defaults.json"))
     yield

@@ -321,3 +321,11 @@ def test_latest_and_resolve(tmp_path):
     assert resolve_checkpoint(tmp_path, "checkpoint-2") == tmp_path / "checkpoint-2"
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint(tmp_path, str(tmp_path / "checkpoint-3"))
+
+
+def test_rank_without_the_shared_folder_is_told_so(tmp_path):
+    """A rank whose output_dir is not the one rank 0 wrote into (no shared filesystem)."""
+    from hputrain.checkpoint import CheckpointError, write_rng_state
+
+    with pytest.raises(CheckpointError, match="missing on rank 1: every rank must see the same output_dir"):
+        write_rng_state(tmp_path / ".tmp-checkpoint-5", 1)

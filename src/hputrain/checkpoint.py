@@ -113,6 +113,9 @@ def begin_checkpoint(output_dir: str | os.PathLike, step: int) -> Path:
 def write_rng_state(folder: str | os.PathLike, rank: int, accelerator=None) -> None:
     """Write this process's Python, numpy, torch and device generator states to rng_state_RANK.pt.
     numpy's key array becomes a tensor so that the file loads with weights_only=True."""
+    if not Path(folder).is_dir():  # rank 0 made it before the barrier
+        raise CheckpointError(f"{folder} is missing on rank {rank}: every rank must see the same "
+                              "output_dir (a shared filesystem across nodes)")
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     device_state = accelerator.rng_state() if accelerator is not None else None
     _torch_save({
