@@ -45,6 +45,9 @@ def main(argv=None):
     p.add_argument("--kill-rank", type=int)
     p.add_argument("--kill-step", type=int)
     p.add_argument("--bf16-gradients", action="store_true")
+    p.add_argument("--cp", type=int, default=1, help="context_parallel_size")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--resume", action="store_true")
     opts = p.parse_args(argv)
     torch.manual_seed(0)
     model = Model(opts.kill_rank, opts.kill_step)
@@ -52,7 +55,9 @@ def main(argv=None):
                              logging_steps=1, per_device_train_batch_size=opts.batch, save_steps=5,
                              disable_tqdm=True, throughput_warmup_steps=0, accelerator="cpu",
                              strategy=opts.strategy, devices=opts.devices, num_nodes=opts.num_nodes,
-                             fast_ddp_bf16_gradients=opts.bf16_gradients, ddp_timeout=60)
+                             fast_ddp_bf16_gradients=opts.bf16_gradients, ddp_timeout=60,
+                             context_parallel_size=opts.cp, bf16=opts.bf16,
+                             resume_from_checkpoint="latest" if opts.resume else None)
     trainer = Trainer(model, args, train_dataset=data())
     trainer.train()
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -6,6 +6,7 @@ throughput clock. The step reads nothing back to the host except at logging step
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -21,6 +22,7 @@ from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments
 from .data import MicroBatches, default_collate, model_input_names, to_device
 from .distributed import ProcessGroup, select_strategy
+from .distributed.context_parallel import ContextParallel, NoContextParallel
 from .distributed.launch import needs_launch, relaunch_current_program
 from .errors import InputError
 from .optim import create_optimizer, create_scheduler
@@ -67,6 +69,7 @@ class Trainer:
             self.args.accelerator, self.args.execution_mode,
             (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops) if self.config.mixed_precision else None)
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
+        self.group.set_context_parallel(self.args.context_parallel_size)
         self.device = self.accelerator.setup(self.group.local_rank)
         self.group.init(self.args.ddp_timeout)
         self.precision = select_precision(self.args, self.config, self.accelerator)
@@ -75,6 +78,7 @@ class Trainer:
         self.compute_loss = compute_loss
         self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
         self.inputs = model_input_names(model)
+        self.context_parallel = self._context_parallel()
         self.strategy = select_strategy(self.args, self.group, self.accelerator)
         self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts weights
         if self.args.use_graphs_for_training:
@@ -109,11 +113,11 @@ class Trainer:
                 watch.step_begin(self.global_step + 1)
                 samples = tokens = 0
                 for micro in range(accumulate):
-                    batch = to_device(next(micro_batches), self.device, args.non_blocking_data_copy)
+                    batch = self._on_device(next(micro_batches))
                     samples, tokens = samples + _batch_size(batch), tokens + _token_count(batch)
                     # Gradients are all-reduced only on the last micro-batch of the step.
                     with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
-                        with accelerator.forward_context(), self.precision.forward_context():
+                        with self._forward_context():
                             loss = self._loss(batch) / accumulate
                         if args.pipelining_fwd_bwd:
                             accelerator.mark_step()  # run the forward graph while building backward
@@ -131,7 +135,8 @@ class Trainer:
                 self.global_step += 1
                 watch.step_end(self.global_step, batch)
                 steps_since_log += 1
-                clock.step_done(samples * self.group.world_size, tokens * self.group.world_size)
+                # samples are shared by a context-parallel group; tokens are split across it
+                clock.step_done(samples * self.group.dp_size, tokens * self.group.world_size)
                 sinks.advance()
 
                 if self.global_step % args.logging_steps == 0 or self.global_step == total_steps:
@@ -174,6 +179,27 @@ class Trainer:
             return self.compute_loss(self.wrapped, batch)
         return loss_of(self._forward(batch))
 
+    def _on_device(self, batch):
+        """The batch on this rank's device, cut to this rank's slice of the sequence under
+        context parallelism."""
+        return self.context_parallel.shard(to_device(batch, self.device, self.args.non_blocking_data_copy))
+
+    @contextlib.contextmanager
+    def _forward_context(self):
+        """What the forward pass runs under: the device's needs, context-parallel attention,
+        and the precision's autocast."""
+        with (self.accelerator.forward_context(), self.context_parallel.forward_context(),
+              self.precision.forward_context()):
+            yield
+
+    def _context_parallel(self):
+        if self.group.cp_size == 1:
+            return NoContextParallel()
+        if self.inputs is not None and "position_ids" not in self.inputs:
+            raise InputError("context parallelism needs a model whose forward takes position_ids "
+                             "(each rank holds a slice of the sequence at an offset)")
+        return ContextParallel(self.group.cp_group, self.group.cp_rank, self.group.cp_size)
+
     def _device_zero(self) -> torch.Tensor:
         """A zero made on the host and copied over: in lazy mode a copy is graph input data, where
         `zero_()` would be one more op in the next step's graph."""
@@ -215,8 +241,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         for batch in self._eval_batches(dataset):
-            batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-            with self.accelerator.forward_context(), self.precision.forward_context():
+            batch = self._on_device(batch)
+            with self._forward_context():
                 loss = self._loss(batch)
             size = _batch_size(batch)
             total += torch.stack([loss.detach().double() * size, torch.tensor(size, device=self.device).double()])
@@ -236,8 +262,8 @@ class Trainer:
         self.model.eval()
         predictions, labels, losses = [], [], []
         for batch in self._eval_batches(test_dataset):
-            batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-            with self.accelerator.forward_context(), self.precision.forward_context():
+            batch = self._on_device(batch)
+            with self._forward_context():
                 output = self._forward(batch)
             logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
             predictions.append(logits.float().cpu())
@@ -254,12 +280,12 @@ class Trainer:
         if self.train_dataset is None:
             raise InputError("train() needs a train_dataset")
         return MicroBatches(self.train_dataset, self.collate, self.args.per_device_train_batch_size,
-                            self.args.gradient_accumulation_steps, self.group.rank,
-                            self.group.world_size, self.args.seed)
+                            self.args.gradient_accumulation_steps, self.group.dp_rank,
+                            self.group.dp_size, self.args.seed)
 
     def _eval_batches(self, dataset):
         return MicroBatches(dataset, self.collate, self.args.per_device_eval_batch_size, 1,
-                            self.group.rank, self.group.world_size, self.args.seed,
+                            self.group.dp_rank, self.group.dp_size, self.args.seed,
                             shuffle=False, drop_last=False).iterate(0, epochs=1)
 
     def _total_steps(self, batches: MicroBatches) -> int:

@@ -21,6 +21,8 @@ class ProcessGroup:
     world_size: int
     backend: str | Callable[[], str]
     restarts: int = 0  # how often torchrun has restarted the job (TORCHELASTIC_RESTART_COUNT)
+    cp_size: int = 1  # context-parallel group size: the mesh is data-parallel × context-parallel
+    cp_group: object = None  # this rank's context-parallel process group, once initialised
 
     @classmethod
     def from_env(cls, backend: str | Callable[[], str]) -> "ProcessGroup":
@@ -45,6 +47,26 @@ class ProcessGroup:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    # The mesh: rank = dp_rank * cp_size + cp_rank, so a context-parallel group is consecutive
+    # ranks (one node, where they can be). Ranks of one cp group train on the same samples.
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    def set_context_parallel(self, size: int) -> None:
+        if size > 1 and self.world_size % size:
+            raise InputError(f"WORLD_SIZE={self.world_size} is not a multiple of context_parallel_size="
+                             f"{size}: the processes form a data-parallel × context-parallel mesh")
+        self.cp_size = size
+
     def init(self, timeout_seconds: int = 1800) -> None:
         """Join the process group. A collective that waits longer than `timeout_seconds` (a
         rank died without the launcher noticing) fails instead of hanging."""
@@ -54,6 +76,11 @@ class ProcessGroup:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 store=self._attempt_store(timeout))
+        if self.cp_size > 1:
+            for first in range(0, self.world_size, self.cp_size):  # every rank makes every group
+                group = dist.new_group(list(range(first, first + self.cp_size)))
+                if first == self.dp_rank * self.cp_size:
+                    self.cp_group = group
 
     def _attempt_store(self, timeout):
         """Under torch's elastic agent, its store with a prefix per attempt. The agent keeps one
