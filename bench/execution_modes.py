@@ -8,7 +8,6 @@ before the first step ends, and the end of the run do not count.
 """
 from __future__ import annotations
 
-import torch
 
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT

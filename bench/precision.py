@@ -6,7 +6,6 @@ under torch.compile; interleaved repeats, median step time after warm-up.
 """
 from __future__ import annotations
 
-import torch
 
 from hputrain import AcceleratorConfig
 from hputrain.accelerators import detect_accelerator

@@ -15,7 +15,7 @@ import torch
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
-from hputrain.models.gpt import GPT
+from hputrain.models.gpt import GPT, GPTConfig
 
 from common import median_step, model_and_data, parser, print_table
 from hputrain.optim import lr_lambda

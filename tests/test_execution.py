@@ -1,7 +1,6 @@
 """Execution modes: lazy on the CPU against eager, the lazy call sequence on a (fake) Gaudi,
 compile against eager, graphs for training, and `hputrain doctor`'s findings."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

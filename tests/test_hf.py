@@ -13,7 +13,6 @@ def test_hf_causal_lm_on_a_datasets_dataset(tmp_path):
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)  # built from a config: no download
-    g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(48):
         length = 8 + i % 9  # ragged: the collator pads

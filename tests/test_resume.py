@@ -1,6 +1,5 @@
 """Resuming continues exactly: 2N steps equal N steps, a kill -9, and N resumed steps, bitwise."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -16,7 +16,7 @@ import sys
 import textwrap
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError

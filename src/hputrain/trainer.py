@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import random
 import signal
 import sys
