@@ -149,6 +149,11 @@ def test_plugin_selection(tmp_path):
     assert type(select_precision(args, AcceleratorConfig(use_torch_autocast=True), cpu)) is BF16Autocast
 
 
+def test_fp8_is_refused_until_it_exists():
+    with pytest.raises(InputError, match="fp8 training is not available"):
+        select_precision(TrainingArguments(fp8=True), AcceleratorConfig(), CPUAccelerator())
+
+
 def test_bf16_on_a_device_without_it_is_an_error():
     class NoBF16(CPUAccelerator):
         def supports_bf16(self):

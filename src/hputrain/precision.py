@@ -203,6 +203,9 @@ def parse_precision(value) -> str:
 def select_precision(args, config, accelerator) -> Precision:
     """The plugin for TrainingArguments.bf16 and the accelerator config (use_torch_autocast or
     the legacy use_habana_mixed_precision, with their op lists)."""
+    if args.fp8:  # refused, not silently trained in another precision
+        raise InputError("fp8=True: fp8 training is not available in this version of hputrain; "
+                         "use bf16=True")
     wants_bf16 = parse_precision(args.bf16) == "bf16-mixed" or config.mixed_precision
     if not wants_bf16:
         return Precision()
