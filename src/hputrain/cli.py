@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import sys
 
 from . import __version__
-from .errors import InputError
+from .errors import InputError, did_you_mean
 
 ENV_VARS = ("HPUTRAIN_ACCELERATOR", "PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT",
             "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST",
@@ -23,9 +22,9 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             known = _option_strings(self)
             for word in message.split(":", 1)[1].split():
-                near = difflib.get_close_matches(word.split("=")[0], known, n=1)
-                if near:
-                    message += f" (did you mean {near[0]}?)"
+                hint = did_you_mean(word.split("=")[0], known, cutoff=0.6, quote=False)
+                if hint:
+                    message += hint
                     break
         raise InputError(f"{message} (see {self.prog} --help)")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
 import json
@@ -19,7 +18,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,10 +32,8 @@ class ConfigError(InputError):
 
 # -- helpers shared by both dataclasses ------------------------------------------------------------
 
-def _unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
-    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    return ConfigError(f"unknown key {key!r} in {where}{hint}")
+def unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
+    return ConfigError(f"unknown key {key!r} in {where}{did_you_mean(key, valid)}")
 
 
 def _base_type(annotation) -> tuple[type, bool]:
@@ -89,7 +86,7 @@ def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
         if key in ignore:
             continue
         if key not in names:
-            raise _unknown_key(key, names, where)
+            raise unknown_key(key, names, where)
         values[key] = _coerce(cls, key, value, where)
     return values
 
@@ -116,11 +113,10 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}"
+                          f"{did_you_mean(value, choices, cutoff=0.6)}")
 
 
 # -- TrainingArguments ---------------------------------------------------------------------------
@@ -241,10 +237,10 @@ class TrainingArguments:
                "num_train_epochs must be positive when max_steps is -1")
         _check(self.save_total_limit is None or self.save_total_limit >= 1,
                "save_total_limit must be at least 1")
-        _check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULES)
-        _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
-        _check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULES)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
+        check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
         if self.precision is not None:
             from .precision import parse_precision
 
@@ -259,9 +255,6 @@ class TrainingArguments:
     def from_file(cls, path: str | Path, **overrides) -> "TrainingArguments":
         """Load from a JSON or TOML file; `overrides` win over the file."""
         return cls(**checked_values(cls, read_mapping(path) | overrides, f"config file {path}"))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 # -- AcceleratorConfig (GaudiConfig-compatible) ---------------------------------------------------
@@ -304,7 +297,7 @@ class AcceleratorConfig:
     def __post_init__(self) -> None:
         _check(not (self.use_habana_mixed_precision and self.use_torch_autocast),
                "use_habana_mixed_precision and use_torch_autocast cannot both be true")
-        _check_choice("hmp_opt_level", self.hmp_opt_level, ("O1", "O2"))
+        check_choice("hmp_opt_level", self.hmp_opt_level, ("O1", "O2"))
         if self.use_habana_mixed_precision:
             # Legacy HMP lists become the autocast lists, unless the file gives those too.
             self.autocast_bf16_ops = self.autocast_bf16_ops or self.hmp_bf16_ops

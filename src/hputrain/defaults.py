@@ -7,14 +7,13 @@ $XDG_CONFIG_HOME/hputrain/default_config.json, else ~/.config/hputrain/default_c
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ACCELERATOR_NAMES, EXECUTION_MODES
+from .config import ACCELERATOR_NAMES, EXECUTION_MODES, check_choice, unknown_key
 from .errors import InputError
 
 MIXED_PRECISION = ("no", "bf16")
@@ -33,13 +32,6 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        near = difflib.get_close_matches(str(value), choices, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise InputError(f"{name} must be one of {', '.join(choices)}; got {value!r}{hint}")
-
-
 @dataclass(kw_only=True)
 class LaunchDefaults:
     accelerator: str = "auto"
@@ -54,14 +46,14 @@ class LaunchDefaults:
     """auto (lazy on Gaudi, eager elsewhere), eager, lazy or compile."""
 
     def __post_init__(self) -> None:
-        _check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
+        check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
         if self.nproc_per_node != "auto" and not _positive_int(self.nproc_per_node):
             raise InputError(f"nproc_per_node must be 'auto' or a positive whole number; "
                              f"got {self.nproc_per_node!r}")
         if not _positive_int(self.num_nodes):
             raise InputError(f"num_nodes must be a positive whole number; got {self.num_nodes!r}")
-        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
-        _check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
+        check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
 
 
 def load_defaults(path: str | Path | None = None) -> LaunchDefaults | None:
@@ -83,9 +75,7 @@ def load_defaults(path: str | Path | None = None) -> LaunchDefaults | None:
     names = [f.name for f in dataclasses.fields(LaunchDefaults)]
     for key in data:
         if key not in names:
-            near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise InputError(f"unknown key {key!r} in defaults file {path}{hint}")
+            raise unknown_key(key, names, f"defaults file {path}")
     try:
         return LaunchDefaults(**data)
     except InputError as exc:

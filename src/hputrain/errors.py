@@ -1,6 +1,17 @@
 """The one error type for bad input: the CLI prints its message as one line and exits 2."""
 
 
+import difflib
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.5, quote: bool = True) -> str:
+    """" (did you mean 'X'?)" for the choice nearest to `word`, or "" when none is near."""
+    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=cutoff)
+    if not near:
+        return ""
+    return f" (did you mean {near[0]!r}?)" if quote else f" (did you mean {near[0]}?)"
+
+
 class InputError(ValueError):
     """Bad input from the user (a flag, a config file, a checkpoint, a dataset, a device that is
     not there). The message names the problem; no traceback is shown."""

@@ -11,13 +11,12 @@ hmp_bf16_ops / hmp_fp32_ops). Gaudi's runtime applies them itself; on other devi
 from __future__ import annotations
 
 import contextlib
-import difflib
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .errors import InputError
+from .errors import InputError, did_you_mean
 
 T = torch.Tensor
 
@@ -78,9 +77,7 @@ def op_table(bf16_ops=None, fp32_ops=None, dtype=torch.bfloat16) -> dict:
     for names, target in ((bf16_ops or [], dtype), (fp32_ops or [], torch.float32)):
         for name in names:
             if name not in OPS:
-                near = difflib.get_close_matches(name, OPS, n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise InputError(f"unknown op {name!r} in an autocast op list{hint}")
+                raise InputError(f"unknown op {name!r} in an autocast op list{did_you_mean(name, OPS)}")
             for func in OPS[name]:
                 if table.get(func, target) != target:
                     raise InputError(f"op lists disagree: {owner[func]!r} and {name!r} both cover "
@@ -206,7 +203,7 @@ def select_precision(args, config, accelerator) -> Precision:
     if args.fp8:  # refused, not silently trained in another precision
         raise InputError("fp8=True: fp8 training is not available in this version of hputrain; "
                          "use bf16=True")
-    wants_bf16 = parse_precision(args.bf16) == "bf16-mixed" or config.mixed_precision
+    wants_bf16 = args.bf16 or config.mixed_precision  # TrainingArguments folds `precision` into bf16
     if not wants_bf16:
         return Precision()
     if not accelerator.supports_bf16():

@@ -86,6 +86,7 @@ def resolve_settings(flags: dict) -> tuple[RecipeOptions, TrainingArguments]:
 def cmd_train(args) -> int:
     import torch
 
+    from .checkpoint import latest_checkpoint
     from .data import load_corpus
     from .models.gpt import GPT, GPTConfig
     from .report import write_report
@@ -114,7 +115,7 @@ def cmd_train(args) -> int:
     if not trainer.group.is_main:
         return 0
     out = Path(training_args.output_dir)
-    print(f"checkpoint: {_latest(out)}")
+    print(f"checkpoint: {latest_checkpoint(out)}")
     print(f"metrics:    {out / 'metrics.jsonl'}")
     try:
         for path in write_report(out):
@@ -134,12 +135,6 @@ def _write_recipe(output_dir: str, options: RecipeOptions, model_config) -> None
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.json").write_text(json.dumps(
         {"recipe": dataclasses.asdict(options), "model": dataclasses.asdict(model_config)}, indent=2))
-
-
-def _latest(output_dir: Path):
-    from .checkpoint import latest_checkpoint
-
-    return latest_checkpoint(output_dir)
 
 
 def _sample(model, device, prompt: bytes = b"def ", length: int = 120) -> str:

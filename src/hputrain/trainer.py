@@ -175,10 +175,11 @@ class Trainer:
         sinks.write(summary)
         return summary
 
-    def _loss(self, batch) -> torch.Tensor:
+    def _loss(self, batch, module=None) -> torch.Tensor:
+        module = self.wrapped if module is None else module
         if self.compute_loss is not None:
-            return self.compute_loss(self.wrapped, batch)
-        return loss_of(self._forward(batch))
+            return self.compute_loss(module, batch)
+        return loss_of(self._forward(batch, module))
 
     def _on_device(self, batch):
         """The batch on this rank's device, cut to this rank's slice of the sequence under
@@ -209,7 +210,7 @@ class Trainer:
     def _forward(self, batch, module=None):
         """Call the model (or `module`) on a batch: a dict by keyword (only the keys its forward
         accepts)."""
-        module = module or self.wrapped
+        module = self.wrapped if module is None else module
         if isinstance(batch, dict):
             inputs = self.inputs
             return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs})
@@ -257,8 +258,7 @@ class Trainer:
         for batch in self._eval_batches(dataset):
             batch = self._on_device(batch)
             with self._forward_context():
-                loss = (self.compute_loss(module, batch) if self.compute_loss
-                        else loss_of(self._forward(batch, module)))
+                loss = self._loss(batch, module)
             size = _batch_size(batch)
             total += torch.stack([loss.detach().double() * size, torch.tensor(size, device=self.device).double()])
             self.accelerator.mark_step()

@@ -134,9 +134,8 @@ class HPUAccelerator(Accelerator):
     def make_adamw(self, params, lr, betas=(0.9, 0.999), eps=None, weight_decay=0.0, fused=None):
         """Gaudi's FusedAdamW when asked (GaudiConfig use_fused_adam), with its own eps default of
         1e-6; otherwise torch's AdamW."""
-        if not fused:
-            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=1e-8 if eps is None else eps,
-                                     weight_decay=weight_decay)
+        if not fused:  # torch's AdamW, unfused as on Gaudi it runs op by op anyway
+            return super().make_adamw(params, lr, betas, eps, weight_decay, fused=False)
         optimizers = self._runtime("habana_frameworks.torch.hpex.optimizers")
         return optimizers.FusedAdamW(params, lr=lr, betas=betas, eps=1e-6 if eps is None else eps,
                                      weight_decay=weight_decay)
