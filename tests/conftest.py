@@ -8,7 +8,7 @@ import torch
 
 FAKES = str(Path(__file__).parent / "fakes")
 _HPU_ENV = ("PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST",
-            "PT_HPU_AUTOCAST_FP32_OPS_LIST", "HPUTRAIN_ACCELERATOR")
+            "PT_HPU_AUTOCAST_FP32_OPS_LIST", "PT_HPU_FP8_MINIMIZE_MEMORY", "HPUTRAIN_ACCELERATOR")
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

@@ -149,9 +149,19 @@ def test_plugin_selection(tmp_path):
     assert type(select_precision(args, AcceleratorConfig(use_torch_autocast=True), cpu)) is BF16Autocast
 
 
-def test_fp8_is_refused_until_it_exists():
-    with pytest.raises(InputError, match="fp8 training is not available"):
-        select_precision(TrainingArguments(fp8=True), AcceleratorConfig(), CPUAccelerator())
+def test_fp8_runs_inside_the_bf16_plugin_and_needs_a_device_with_fp8():
+    from hputrain.precision import Fp8Mixed
+
+    lists = AcceleratorConfig(use_torch_autocast=True, autocast_fp32_ops=["softmax"])
+    plugin = select_precision(TrainingArguments(fp8=True, minimize_memory=True), lists, CPUAccelerator())
+    assert isinstance(plugin, Fp8Mixed) and isinstance(plugin.bf16, OpListAutocast)
+    assert plugin.recipe.minimize_memory and plugin.recipe.scaling == "delayed"
+
+    class NoFP8(CPUAccelerator):
+        def supports_fp8(self):
+            return False
+    with pytest.raises(InputError, match="fp8 was asked for, but .* cannot run fp8 matrix products"):
+        select_precision(TrainingArguments(fp8=True), AcceleratorConfig(), NoFP8())
 
 
 def test_bf16_on_a_device_without_it_is_an_error():

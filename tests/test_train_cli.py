@@ -105,3 +105,16 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
     assert len(saved) == 1 and 0 < int(saved[0].name.split("-")[1]) < 100000
     state = json.loads((saved[0] / "trainer_state.json").read_text())
     assert state["global_step"] == int(saved[0].name.split("-")[1])
+
+
+def test_train_in_fp8_and_generate_from_its_checkpoint(tmp_path, corpus):
+    out = tmp_path / "fp8"
+    rc, stdout, stderr = hputrain("train", "--corpus", str(corpus), "--output-dir", str(out), *SMALL,
+                                  "--fp8", "--minimize-memory")
+    assert rc == 0, stderr
+    assert (out / "checkpoint-6" / "model_extra_state.pt").exists()  # the fp8 scaling state
+    rc, stdout, stderr = hputrain("generate", "--checkpoint", str(out / "checkpoint-6"), "--prompt", "def ",
+                                  "--max-new-tokens", "4", "--no-graphs")
+    assert rc == 0, stderr
+    rc, _, stderr = hputrain("train", "--output-dir", str(out), "--fp8", "--fp8-scaling", "dynamc")
+    assert rc == 2 and stderr.count("\n") == 1 and "did you mean 'dynamic'" in stderr, stderr

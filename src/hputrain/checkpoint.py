@@ -1,7 +1,7 @@
 """Checkpoints: save a run to `output_dir/checkpoint-STEP/` and resume it exactly.
 
-The folder (model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json, rng_state_RANK.pt)
-is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into place when complete, so a kill
+The folder (model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json, rng_state_RANK.pt,
+and model_extra_state.pt where layers have extra state, such as fp8 scaling) is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into place when complete, so a kill
 mid-save leaves the previous checkpoint whole. Loading uses safetensors and
 `torch.load(weights_only=True)` only: a checkpoint cannot run code.
 
@@ -23,11 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_file
+from safetensors.torch import load_file, save_file
 
 from .errors import InputError
 
 MODEL_FILE = "model.safetensors"
+EXTRA_STATE_FILE = "model_extra_state.pt"  # layers' get_extra_state(), e.g. fp8 amax histories
+_EXTRA = "_extra_state"  # the suffix torch gives those entries in state_dict()
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
@@ -82,9 +84,11 @@ def _on_cpu(obj):
 
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state on the CPU, each tensor once: a tied weight (an embedding shared with the
-    output layer) is stored under its first name, which safetensors' load_model accepts."""
+    output layer) is stored under its first name; `_load_model` fills in the others."""
     seen, tensors = set(), {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith(_EXTRA):
+            continue  # not a tensor: EXTRA_STATE_FILE holds it
         if id(tensor) not in seen:
             seen.add(id(tensor))
             tensors[name] = tensor.detach().cpu().contiguous()
@@ -132,8 +136,12 @@ def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer,
     """Write the model, optimizer, scheduler and trainer state (with "step" added) into `folder`.
     An optimizer or scheduler of None is skipped."""
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
-    save_file(_model_tensors(unwrap_model(model)), str(folder / MODEL_FILE), metadata={"format": "pt"})
+    model = unwrap_model(model)
+    save_file(_model_tensors(model), str(folder / MODEL_FILE), metadata={"format": "pt"})
     _fsync(folder / MODEL_FILE)
+    extra = {name: _on_cpu(value) for name, value in model.state_dict().items() if name.endswith(_EXTRA)}
+    if extra:
+        _torch_save(extra, folder / EXTRA_STATE_FILE)
     if optimizer is not None:
         _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
     if scheduler is not None:
@@ -280,6 +288,25 @@ def _restore_rng(file: Path, accelerator) -> None:
             accelerator.set_rng_state(saved["device"])
 
 
+def _load_model(model: torch.nn.Module, folder: Path) -> None:
+    """Load MODEL_FILE into `model`, every tensor of it and nothing else, then the layers' extra
+    state from EXTRA_STATE_FILE when the model has any."""
+    with _reading(folder / MODEL_FILE):
+        tensors = load_file(str(folder / MODEL_FILE), device="cpu")
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        # a tied weight is stored once, under its first name: its other names are loaded too
+        state = model.state_dict(keep_vars=True)
+        loaded = {id(state[name]) for name in tensors if name in state}
+        missing = sorted(name for name in missing
+                         if not name.endswith(_EXTRA) and id(state[name]) not in loaded)
+        if missing or unexpected:
+            raise ValueError(f"it does not fit the model (missing: {', '.join(missing) or 'none'}; "
+                             f"unexpected: {', '.join(sorted(unexpected)) or 'none'})")
+    if any(name.endswith(_EXTRA) for name in model.state_dict()):
+        with _reading(folder / EXTRA_STATE_FILE):
+            model.load_state_dict(_load_pt(folder / EXTRA_STATE_FILE), strict=False)
+
+
 def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler=None,
                     accelerator=None, rank: int = 0, restore_rng: bool = True) -> dict:
     """Load a checkpoint folder into `model` (strict) and the optional optimizer and scheduler,
@@ -287,8 +314,7 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     folder = Path(path)
     _check_folder(folder)
     state = _read_state(folder / STATE_FILE)
-    with _reading(folder / MODEL_FILE):
-        load_model(unwrap_model(model), str(folder / MODEL_FILE), strict=True, device="cpu")
+    _load_model(unwrap_model(model), folder)
     # optimizer.load_state_dict moves its state to each parameter's device
     for target, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         if target is not None:

@@ -215,7 +215,11 @@ class TrainingArguments:
     minimize_memory: bool = False
     """With fp8, keep fp8 weights between forward and backward instead of a wider copy."""
     fp8: bool = False
-    """Linear layers compute in fp8."""
+    """Linear layers compute in fp8 (E4M3 forward, E5M2 gradients), the rest in bf16."""
+    fp8_scaling: str = "delayed"
+    """fp8 scales: delayed (from the amax history) or dynamic (from the current amax)."""
+    fp8_amax_history_len: int = 16
+    """Forward passes of amax history that delayed fp8 scaling takes the largest from."""
     disable_tqdm: bool = False
     """Hide the progress bar."""
 
@@ -250,6 +254,9 @@ class TrainingArguments:
                    f"torch_compile=True conflicts with execution_mode={self.execution_mode!r}")
             self.execution_mode = "compile"
         _check(not self.minimize_memory or self.fp8, "minimize_memory needs fp8=True")
+        check_choice("fp8_scaling", self.fp8_scaling, ("delayed", "dynamic"))
+        _check(self.fp8_amax_history_len >= 1,
+               f"fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}")
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainingArguments":

@@ -180,6 +180,32 @@ class OpListAutocast(BF16Autocast):
         return _autocast_with(self.table, self.device_type, torch.bfloat16)
 
 
+class Fp8Mixed(Precision):
+    """fp8 matrix products in the eligible Linear layers (see fp8.py), inside a bf16 plugin that
+    runs everything else; master weights stay float32."""
+
+    compute_dtype = torch.float8_e4m3fn
+    name = "fp8-mixed"
+
+    def __init__(self, bf16: BF16Autocast, accelerator, recipe) -> None:
+        self.bf16, self.accelerator, self.recipe = bf16, accelerator, recipe
+        self.layers: list[str] = []  # the converted layers' names
+
+    def forward_context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.bf16.forward_context())
+        stack.enter_context(self.accelerator.fp8_context(self.recipe))
+        return stack
+
+    def convert_module(self, module):
+        self.layers = self.accelerator.convert_to_fp8(module, self.recipe)
+        if not self.layers:  # never train in another precision than the one asked for
+            raise InputError(f"fp8=True, but no layer of {type(module).__name__} qualifies: fp8 "
+                             "takes nn.Linear layers other than the first and the last, with both "
+                             "dimensions multiples of 16 and at least 64")
+        return module
+
+
 # Spellings users bring from Lightning, the Hugging Face Trainer and Accelerate.
 _BF16 = {"bf16", "bf16-mixed", "bf16_mixed", "bfloat16", "true"}
 _FP32 = {"32", "32-true", "fp32", "float32", "no", "false"}
@@ -198,14 +224,24 @@ def parse_precision(value) -> str:
 
 
 def select_precision(args, config, accelerator) -> Precision:
-    """The plugin for TrainingArguments.bf16 and the accelerator config (use_torch_autocast or
-    the legacy use_habana_mixed_precision, with their op lists)."""
-    if args.fp8:  # refused, not silently trained in another precision
-        raise InputError("fp8=True: fp8 training is not available in this version of hputrain; "
-                         "use bf16=True")
+    """The plugin for TrainingArguments.bf16 / fp8 and the accelerator config (use_torch_autocast
+    or the legacy use_habana_mixed_precision, with their op lists). fp8 runs inside bf16."""
+    if args.fp8:
+        from .fp8 import Fp8Recipe
+
+        if not accelerator.supports_fp8():
+            raise InputError(f"fp8 was asked for, but {accelerator.device_name()} ({accelerator.name}) "
+                             f"cannot run fp8 matrix products in execution_mode="
+                             f"{accelerator.execution_mode!r}")
+        recipe = Fp8Recipe(args.fp8_scaling, args.fp8_amax_history_len, args.minimize_memory)
+        return Fp8Mixed(_bf16_plugin(config, accelerator), accelerator, recipe)
     wants_bf16 = args.bf16 or config.mixed_precision  # TrainingArguments folds `precision` into bf16
     if not wants_bf16:
         return Precision()
+    return _bf16_plugin(config, accelerator)
+
+
+def _bf16_plugin(config, accelerator) -> BF16Autocast:
     if not accelerator.supports_bf16():
         raise InputError(f"bf16 was asked for, but {accelerator.device_name()} ({accelerator.name}) "
                          "cannot run bfloat16 autocast")

@@ -65,9 +65,12 @@ class Trainer:
             # Lightning's way: run this program again, one process per device, and end here.
             sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
         self.config = accelerator_config or AcceleratorConfig()
+        op_lists = (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops)
         self.accelerator = accelerator or detect_accelerator(
             self.args.accelerator, self.args.execution_mode,
-            (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops) if self.config.mixed_precision else None)
+            op_lists if self.config.mixed_precision else None, self.args.minimize_memory)
+        if self.args.minimize_memory:  # a runtime that reads it at start-up checks it in setup
+            self.accelerator.fp8_minimize_memory = True
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.group.set_context_parallel(self.args.context_parallel_size)
         self.device = self.accelerator.setup(self.group.local_rank)

@@ -24,10 +24,13 @@ class Accelerator(ABC):
     #: Whether the device's runtime applies Gaudi-style autocast op lists itself.
     applies_autocast_op_lists: bool = False
 
-    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None) -> None:
-        """`autocast_op_lists`: (bf16 ops, fp32 ops), for a runtime that takes them at start-up."""
+    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None,
+                 fp8_minimize_memory: bool = False) -> None:
+        """`autocast_op_lists`: (bf16 ops, fp32 ops), and `fp8_minimize_memory`, for a runtime
+        that takes them at start-up."""
         self.execution_mode = self.default_execution_mode() if execution_mode == "auto" else execution_mode
         self.autocast_op_lists = autocast_op_lists
+        self.fp8_minimize_memory = fp8_minimize_memory
 
     def default_execution_mode(self) -> str:
         """What execution_mode="auto" means on this device."""
@@ -83,6 +86,22 @@ class Accelerator(ABC):
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense peak FLOP/s of one device for `dtype`, or None when not known."""
         return None
+
+    # -- fp8 -----------------------------------------------------------------------------------
+    def supports_fp8(self) -> bool:
+        """Whether fp8 matrix products (E4M3 and E5M2) run here."""
+        return False
+
+    def convert_to_fp8(self, module: torch.nn.Module, recipe) -> list[str]:
+        """Make the eligible Linear layers of `module` compute in fp8 (in place); return their
+        names. The default is hputrain's own layer on torch._scaled_mm (see fp8.py)."""
+        from ..fp8 import convert_to_fp8
+
+        return convert_to_fp8(module, recipe)
+
+    def fp8_context(self, recipe) -> contextlib.AbstractContextManager:
+        """Entered around the forward pass with fp8 (a runtime's fp8 autocast, where it has one)."""
+        return contextlib.nullcontext()
 
     # -- optimizer and gradients ---------------------------------------------------------------
     def make_adamw(self, params, lr: float, betas=(0.9, 0.999), eps: float | None = None,

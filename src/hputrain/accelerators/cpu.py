@@ -120,6 +120,17 @@ class CPUAccelerator(Accelerator):
             "total_memory_available_gb": _ram_bytes() / GB,
         }
 
+    def supports_fp8(self) -> bool:
+        # torch._scaled_mm has a CPU kernel in recent builds; ask it rather than a version number.
+        if self.lazy:  # the lazy backend has no fp8 types
+            return False
+        try:
+            one, probe = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+            torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return False
+        return True
+
     def wrap_graph_inference(self, module):
         # The CPU has no graph replay; compiled code stands in for it. For small inference steps
         # the Python wrapper around the generated kernels is most of the time, so inductor writes

@@ -7,10 +7,13 @@ from .base import GB, Accelerator
 
 # Dense peak FLOP/s per GPU (tensor cores, no sparsity), matched on a substring of the name.
 _PEAK_FLOPS = {
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12,
+             torch.float8_e4m3fn: 1979e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12,
+             torch.float8_e4m3fn: 1979e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
-    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12,
+           torch.float8_e4m3fn: 242e12},
 }
 
 
@@ -48,6 +51,9 @@ class CUDAAccelerator(Accelerator):
 
     def supports_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()
+
+    def supports_fp8(self) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 9)  # Ada and Hopper have fp8 tensor cores
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         name = self.device_name()

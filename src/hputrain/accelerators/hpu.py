@@ -21,6 +21,9 @@ from .base import GB, Accelerator
 
 # Dense bf16 peak FLOP/s per device (matrix engines).
 _PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
+# Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
+_TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
+_FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8
 
 
 def _op_list_file(ops: list[str]) -> str:
@@ -43,8 +46,9 @@ class HPUAccelerator(Accelerator):
     autocast_device_type = "hpu"
     applies_autocast_op_lists = True  # from the files named by PT_HPU_AUTOCAST_*_OPS_LIST
 
-    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None) -> None:
-        super().__init__(execution_mode, autocast_op_lists)
+    def __init__(self, execution_mode: str = "auto", autocast_op_lists=None,
+                 fp8_minimize_memory: bool = False) -> None:
+        super().__init__(execution_mode, autocast_op_lists, fp8_minimize_memory)
         self._clip = None  # FusedClipNorm, built on first use
 
     def default_execution_mode(self) -> str:
@@ -53,8 +57,8 @@ class HPUAccelerator(Accelerator):
 
     # -- the runtime ---------------------------------------------------------------------------
     def runtime_env(self) -> dict[str, str]:
-        """The variables the runtime must see at import: the execution mode, and the autocast op
-        lists as files, one op name per line."""
+        """The variables the runtime must see at import: the execution mode, the autocast op
+        lists as files (one op name per line), and fp8's minimize_memory."""
         env = {"PT_HPU_LAZY_MODE": "1" if self.lazy else "0"}
         if not self.lazy:  # eager and torch.compile need 64-bit integers (token ids, indices)
             env["PT_ENABLE_INT64_SUPPORT"] = os.environ.get("PT_ENABLE_INT64_SUPPORT", "1")
@@ -63,6 +67,8 @@ class HPUAccelerator(Accelerator):
             env["PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"] = _op_list_file(bf16_ops)
         if fp32_ops:
             env["PT_HPU_AUTOCAST_FP32_OPS_LIST"] = _op_list_file(fp32_ops)
+        if self.fp8_minimize_memory:  # keep fp8 weights, not bf16 copies, for backward
+            env["PT_HPU_FP8_MINIMIZE_MEMORY"] = "true"
         return env
 
     def _runtime(self, module: str = "habana_frameworks.torch.hpu"):
@@ -129,6 +135,38 @@ class HPUAccelerator(Accelerator):
             return None
         name = self.device_name().upper()
         return next((flops for key, flops in _PEAK_BF16_FLOPS.items() if key in name), None)
+
+    # -- fp8 through Gaudi's Transformer Engine ---------------------------------------------------
+    def supports_fp8(self) -> bool:
+        return any(key in self.device_name().upper() for key in _FP8_DEVICES)
+
+    def convert_to_fp8(self, module, recipe) -> list[str]:
+        """The eligible Linear layers (fp8.py's rule) become te.Linear layers with the same weights."""
+        from ..fp8 import fp8_layer_names, replace_layers
+
+        if recipe.scaling != "delayed":
+            raise InputError("fp8_scaling='dynamic': Gaudi's Transformer Engine scales from an amax "
+                             "history only; use fp8_scaling='delayed'")
+        te = self._runtime(_TE)
+
+        def te_linear(layer):
+            new = te.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+            with torch.no_grad():
+                new.weight.copy_(layer.weight)
+                if layer.bias is not None:
+                    new.bias.copy_(layer.bias)
+            return new
+
+        names = fp8_layer_names(module)
+        replace_layers(module, names, te_linear)
+        return names
+
+    def fp8_context(self, recipe):
+        # HYBRID: E4M3 forward, E5M2 gradients; the scale from the largest amax in the history.
+        formats = self._runtime(f"{_TE}.recipe")
+        scaling = formats.DelayedScaling(fp8_format=formats.Format.HYBRID, amax_compute_algo="max",
+                                         amax_history_len=recipe.amax_history_len)
+        return self._runtime(_TE).fp8_autocast(enabled=True, fp8_recipe=scaling)
 
     # -- optimizer and gradients ---------------------------------------------------------------
     def make_adamw(self, params, lr, betas=(0.9, 0.999), eps=None, weight_decay=0.0, fused=None):

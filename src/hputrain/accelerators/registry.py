@@ -40,19 +40,21 @@ def available_accelerators(execution_mode: str = "auto") -> dict[str, int]:
 
 
 def detect_accelerator(name: str = "auto", execution_mode: str = "auto",
-                       autocast_op_lists=None) -> Accelerator:
+                       autocast_op_lists=None, fp8_minimize_memory: bool = False) -> Accelerator:
     """The accelerator to run on: `name`, or with "auto" the first present of HPU, CUDA, MPS, CPU.
 
     HPUTRAIN_ACCELERATOR (set by `--cpu`) overrides `name`, as Accelerate's --cpu does.
-    `autocast_op_lists` (bf16 ops, fp32 ops) reach a runtime that reads them at start-up.
+    `autocast_op_lists` (bf16 ops, fp32 ops) and `fp8_minimize_memory` reach a runtime that reads
+    them at start-up.
     """
     name = os.environ.get(FORCE_ENV) or name
+    settings = (execution_mode, autocast_op_lists, fp8_minimize_memory)
     if name == "auto":
         for candidate in ACCELERATORS:
-            accelerator = accelerator_class(candidate)(execution_mode, autocast_op_lists)
+            accelerator = accelerator_class(candidate)(*settings)
             if accelerator.is_available():
                 return accelerator
-    accelerator = accelerator_class(name)(execution_mode, autocast_op_lists)
+    accelerator = accelerator_class(name)(*settings)
     if not accelerator.is_available():
         found = ", ".join(f"{k} ({n})" for k, n in available_accelerators(execution_mode).items())
         raise AcceleratorNotFound(f"accelerator {name!r} was requested but is not available; "

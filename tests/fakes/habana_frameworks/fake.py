@@ -4,6 +4,7 @@ available = True
 device_count = 8
 device_name = "GAUDI2"
 graph_compilations = 0
+import_env: dict[str, str] = {}  # the PT_HPU_* variables habana_frameworks.torch saw at import
 memory = {"InUse": 3 * 1024**3, "MaxInUse": 5 * 1024**3, "Limit": 94 * 1024**3, "NumAllocs": 7}
 
 
