@@ -273,3 +273,16 @@ def test_no_host_read_back_outside_logging_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", lambda self: (reads.append(1), original(self))[1])
     Trainer(Regression(), args(tmp_path, max_steps=12, logging_steps=6), train_dataset=regression_data()).train()
     assert len(reads) == 2 * 2  # loss and grad norm, at steps 6 and 12 only
+
+
+def test_save_steps_minus_one_never_saves(tmp_path):
+    from hputrain.models.gpt import GPT, GPTConfig
+
+    tokens = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, save_steps=-1, disable_tqdm=True,
+                             per_device_train_batch_size=4, accelerator="cpu")
+    Trainer(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)), args, train_dataset=data).train()
+    assert (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("*checkpoint*"))
+    with pytest.raises(InputError, match="save_steps must be -1"):
+        TrainingArguments(save_steps=-2)

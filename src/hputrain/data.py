@@ -8,6 +8,7 @@ windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted b
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 import sysconfig
 from pathlib import Path
 
@@ -214,7 +215,7 @@ def default_collate(samples: list):
 def to_device(batch, device: torch.device, non_blocking: bool = False):
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a Hugging Face collator's BatchEncoding (a UserDict)
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
