@@ -1,8 +1,9 @@
 """Checkpoints: save a run to `output_dir/checkpoint-STEP/` and resume it exactly.
 
 The folder (model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json, rng_state_RANK.pt,
-and model_extra_state.pt where layers have extra state, such as fp8 scaling) is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into place when complete, so a kill
-mid-save leaves the previous checkpoint whole. Loading uses safetensors and
+and model_extra_state.pt where layers have extra state, such as fp8 scaling) is assembled in a
+hidden `.tmp-checkpoint-STEP` and renamed into place when complete, so a kill mid-save leaves the
+previous checkpoint whole. Loading uses safetensors and
 `torch.load(weights_only=True)` only: a checkpoint cannot run code.
 
 With several processes every rank calls `save_checkpoint(..., barrier=dist.barrier)`, which runs:

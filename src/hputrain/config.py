@@ -228,7 +228,8 @@ class TrainingArguments:
                      "gradient_accumulation_steps", "logging_steps", "devices", "num_nodes",
                      "context_parallel_size", "ddp_timeout"):
             _check(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
-        _check(self.save_steps >= -1, f"save_steps must be -1 (never), 0 (at the end) or more, got {self.save_steps}")
+        _check(self.save_steps >= -1,
+               f"save_steps must be -1 (never), 0 (at the end) or more, got {self.save_steps}")
         for name in ("warmup_steps", "eval_steps", "throughput_warmup_steps",
                      "weight_decay", "max_grad_norm"):
             _check(getattr(self, name) >= 0, f"{name} must not be negative, got {getattr(self, name)}")

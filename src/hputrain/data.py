@@ -8,8 +8,8 @@ windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted b
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch

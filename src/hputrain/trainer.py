@@ -69,8 +69,8 @@ class Trainer:
         self.accelerator = accelerator or detect_accelerator(
             self.args.accelerator, self.args.execution_mode,
             op_lists if self.config.mixed_precision else None, self.args.minimize_memory)
-        if self.args.minimize_memory:  # a runtime that reads it at start-up checks it in setup
-            self.accelerator.fp8_minimize_memory = True
+        if self.args.minimize_memory:  # also on an accelerator passed in: Gaudi's runtime reads it
+            self.accelerator.fp8_minimize_memory = True  # at import, and setup() checks it
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.group.set_context_parallel(self.args.context_parallel_size)
         self.device = self.accelerator.setup(self.group.local_rank)
