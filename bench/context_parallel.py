@@ -20,22 +20,15 @@ import torch.distributed as dist
 
 from hputrain.distributed.context_parallel import ContextParallel, NoContextParallel
 from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.telemetry import SavedForBackward
 
 
 def saved_activation_bytes(model, batch, context) -> int:
     """Bytes of the tensors autograd keeps for backward during one forward, storages once."""
-    storages = {}
-
-    def pack(tensor):
-        if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context.forward_context():
+    with SavedForBackward() as saved, context.forward_context():
         loss = model(**batch)["loss"]
     loss.backward()
-    return sum(storages.values())
+    return saved.nbytes
 
 
 def worker(opts) -> None:

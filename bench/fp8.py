@@ -2,7 +2,7 @@
 
 Each run is a fresh process (so that its peak memory is its own), repeated and interleaved; the
 table gives median step times after warm-up, the bytes one forward pass keeps for backward
-(counted with saved-tensor hooks, each storage once), and the device's peak memory (peak RSS on a
+(telemetry.SavedForBackward: each storage once, parameters left out), and the device's peak memory (peak RSS on a
 CPU, torch.cuda.max_memory_allocated on a GPU).
 
     python bench/fp8.py [--size small] [--seq-len 256] [--batch 8] [--steps 20] [--repeats 3]
@@ -21,6 +21,7 @@ import torch
 from hputrain import Trainer, TrainingArguments, execution
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
+from hputrain.telemetry import SavedForBackward
 
 from common import _Timing, median_step, model_and_data, parser
 
@@ -32,16 +33,10 @@ SETTINGS = {
 
 
 def saved_bytes(trainer, batch) -> int:
-    """Bytes one training forward pass keeps for backward, each storage counted once."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes one training forward pass keeps for backward (storages once, parameters left out)."""
+    with SavedForBackward() as saved:
         trainer._loss(trainer._on_device(batch))
-    return sum(storages.values())
+    return saved.nbytes
 
 
 def one_run(opts, setting: str) -> dict:

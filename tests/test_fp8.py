@@ -10,6 +10,7 @@ from hputrain.checkpoint import EXTRA_STATE_FILE
 from hputrain.errors import InputError
 from hputrain.fp8 import E4M3, E5M2, GRAD, INPUT, WEIGHT, Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_layer_names
 from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.telemetry import SavedForBackward
 
 from .conftest import requires_cuda
 from .test_execution import HPUOnCPU
@@ -84,15 +85,9 @@ def test_dynamic_scaling_uses_the_current_amax_and_eval_records_nothing():
 
 def saved_bytes(module, x):
     """Bytes kept for backward by one forward pass, each storage counted once."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+    with SavedForBackward() as saved, torch.autocast("cpu", torch.bfloat16):
         out = module(x)
-    return sum(storages.values()), out
+    return saved.nbytes, out
 
 
 def test_minimize_memory_keeps_the_fp8_weight_and_changes_no_number():

@@ -83,17 +83,18 @@ def _on_cpu(obj):
     return obj
 
 
-def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state on the CPU, each tensor once: a tied weight (an embedding shared with the
-    output layer) is stored under its first name; `_load_model` fills in the others."""
-    seen, tensors = set(), {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+def _model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's tensors on the CPU, each once (a tied weight, an embedding shared with the
+    output layer, under its first name; `_load_model` fills in the others), and apart from them
+    the layers' extra state (not tensors: EXTRA_STATE_FILE holds it)."""
+    seen, tensors, extra = set(), {}, {}
+    for name, value in model.state_dict(keep_vars=True).items():
         if name.endswith(_EXTRA):
-            continue  # not a tensor: EXTRA_STATE_FILE holds it
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors[name] = tensor.detach().cpu().contiguous()
-    return tensors
+            extra[name] = _on_cpu(value)
+        elif id(value) not in seen:
+            seen.add(id(value))
+            tensors[name] = value.detach().cpu().contiguous()
+    return tensors, extra
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -137,10 +138,9 @@ def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer,
     """Write the model, optimizer, scheduler and trainer state (with "step" added) into `folder`.
     An optimizer or scheduler of None is skipped."""
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
-    model = unwrap_model(model)
-    save_file(_model_tensors(model), str(folder / MODEL_FILE), metadata={"format": "pt"})
+    tensors, extra = _model_state(unwrap_model(model))
+    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
     _fsync(folder / MODEL_FILE)
-    extra = {name: _on_cpu(value) for name, value in model.state_dict().items() if name.endswith(_EXTRA)}
     if extra:
         _torch_save(extra, folder / EXTRA_STATE_FILE)
     if optimizer is not None:
@@ -303,7 +303,7 @@ def _load_model(model: torch.nn.Module, folder: Path) -> None:
         if missing or unexpected:
             raise ValueError(f"it does not fit the model (missing: {', '.join(missing) or 'none'}; "
                              f"unexpected: {', '.join(sorted(unexpected)) or 'none'})")
-    if any(name.endswith(_EXTRA) for name in model.state_dict()):
+    if any(name.endswith(_EXTRA) for name in state):
         with _reading(folder / EXTRA_STATE_FILE):
             model.load_state_dict(_load_pt(folder / EXTRA_STATE_FILE), strict=False)
 

@@ -8,9 +8,10 @@ Each converted layer computes its three matrix products in fp8 with one scale pe
 
 Outputs come back in bfloat16 (dW in float32); the weights stay float32 masters, updated by the
 optimizer as usual. A scale maps a tensor's largest magnitude (its amax) onto the format's
-largest finite value. With delayed scaling the scale comes from the amaxes of earlier steps (the
-largest in a history of `amax_history_len` steps), so casting needs no look at the tensor first;
-the first step, with an empty history, uses its own amax. Dynamic scaling uses the current amax.
+largest finite value. With delayed scaling the scale comes from the amaxes of earlier forward
+passes (the largest in a history of `amax_history_len`), so casting needs no look at the tensor
+first; the first pass, with an empty history, uses its own amax. Dynamic scaling uses the current
+amax.
 
 Which layers convert (`fp8_layer_names`): every nn.Linear except
   - the first and the last Linear of the model, in module order (the layers nearest the input and
@@ -42,6 +43,8 @@ E5M2 = torch.float8_e5m2
 # Rows of a layer's scaling state.
 INPUT, WEIGHT, GRAD = 0, 1, 2
 _MULTIPLE, _SMALLEST = 16, 64
+RULE = (f"nn.Linear layers other than the first and the last, with both dimensions multiples of "
+        f"{_MULTIPLE} and at least {_SMALLEST}")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Fp8Recipe:
     scaling: str = "delayed"
     """delayed (scales from the amax history) or dynamic (from the current amax)."""
     amax_history_len: int = 16
-    """Steps of amax history that delayed scaling takes the largest from."""
+    """Forward passes of amax history that delayed scaling takes the largest from."""
     minimize_memory: bool = False
     """Keep the fp8 weight for backward instead of a bfloat16 copy."""
 
@@ -67,13 +70,12 @@ def fp8_layer_names(model: nn.Module) -> list[str]:
     return [name for name, layer in linears[1:-1] if _eligible(layer)]
 
 
-def replace_layers(model: nn.Module, names: list[str], make) -> nn.Module:
-    """Put `make(layer)` in place of each named layer, in place; return `model`."""
+def replace_layers(model: nn.Module, names: list[str], make) -> None:
+    """Put `make(layer)` in place of each named layer of `model`."""
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, make(getattr(parent, child)))
-    return model
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe) -> list[str]:

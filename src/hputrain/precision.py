@@ -200,9 +200,10 @@ class Fp8Mixed(Precision):
     def convert_module(self, module):
         self.layers = self.accelerator.convert_to_fp8(module, self.recipe)
         if not self.layers:  # never train in another precision than the one asked for
+            from .fp8 import RULE
+
             raise InputError(f"fp8=True, but no layer of {type(module).__name__} qualifies: fp8 "
-                             "takes nn.Linear layers other than the first and the last, with both "
-                             "dimensions multiples of 16 and at least 64")
+                             f"takes {RULE}")
         return module
 
 

@@ -1,4 +1,5 @@
-"""Throughput (warm-up and pauses left out), MFU, and the metric sinks.
+"""Throughput (warm-up and pauses left out), MFU, the metric sinks, and a count of the memory
+kept for backward.
 
 Only global rank 0 writes: the trainer gives other ranks a `MetricSinks` with no sinks.
 """
@@ -9,6 +10,37 @@ import time
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class SavedForBackward:
+    """`with SavedForBackward() as saved: loss = model(**batch)`; then `saved.nbytes` is what
+    autograd kept for backward inside the block: each storage once, parameters left out (they
+    exist anyway). Exact and free of allocator noise, unlike a peak-memory reading."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        import torch
+
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
 
 
 class ThroughputClock:
