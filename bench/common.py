@@ -1,4 +1,5 @@
-"""What the benchmarks share: the built-in GPT set-up flags and the median step time."""
+"""What the benchmarks share: the built-in GPT set-up flags, the machine line (with the CPU flags
+and measured matmul rates that decide bf16), bf16 only where it is native, and the median step time."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,33 @@ def model_and_data(opts) -> tuple[GPTConfig, object]:
     return config, data
 
 
+def machine(accelerator) -> str:
+    """The device, versions and threads, and what decides bf16 here: whether it is native, the
+    CPU flags, torch's CPU capability and the measured matmul rates (`hputrain env` shows the same)."""
+    import platform
+
+    def shown(value) -> str:
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {v}" for k, v in value.items())
+        return " ".join(value) if isinstance(value, list) else str(value)
+
+    facts = accelerator.bf16_facts()
+    details = "; ".join(f"{key} {shown(value)}" for key, value in facts.items() if key != "native_bf16")
+    return (f"{accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, python {platform.python_version()}; native bf16 "
+            f"{'yes' if facts['native_bf16'] else 'no'}" + (f" ({details})" if details else ""))
+
+
+def bf16_where_native(accelerator, bf16: bool) -> bool:
+    """`bf16`, unless the device only emulates it: then float32, saying so (emulated bf16 on a
+    CPU without AVX512-BF16/AMX runs tens of times slower, and a benchmark would not finish)."""
+    if bf16 and not accelerator.native_bf16():
+        reason = accelerator.bf16_shortfall() or f"bf16 is not native on {accelerator.device_name()}"
+        print(f"note: {reason}: running in fp32 instead")
+        return False
+    return bf16
+
+
 def median_step(stamps: list[float], warmup: int) -> float:
     """Median time between consecutive step stamps, leaving out the first `warmup` steps."""
     return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:]))
@@ -40,13 +68,8 @@ def median_step(stamps: list[float], warmup: int) -> float:
 def print_table(accelerator, opts, runs: dict[str, list[float]], baseline: str, column: str) -> None:
     """The machine, the set-up, and a Markdown table of median step times relative to `baseline`
     (time ratio: below 1 is faster); then every repeat's figure."""
-    import platform
-
-    import torch
-
     base = statistics.median(runs[baseline])
-    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+    print(f"machine: {machine(accelerator)}")
     print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch}, bf16={opts.bf16}, "
           f"{opts.steps} steps, first {opts.warmup} left out, {opts.repeats} interleaved repeats")
     print(f"| {column} | median step (ms) | time vs {baseline} |")

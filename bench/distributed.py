@@ -14,12 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
 
-from common import model_and_data, parser, trainer_step_time
+from common import machine, model_and_data, parser, trainer_step_time
 
 HERE = Path(__file__).parent
 
@@ -71,7 +69,7 @@ def main() -> None:
             times[name].append(run(opts, processes, strategy, threads))
     tokens = opts.batch * opts.seq_len
     base = statistics.median(times["1 process, 1 thread"])
-    print(f"machine: {detect_accelerator('cpu').device_name()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"machine: {machine(detect_accelerator('cpu'))}, {os.cpu_count()} cores")
     print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch} per process, {opts.steps} steps, "
           f"first {opts.warmup} left out, {opts.repeats} interleaved repeats")
     print("| run | median step (ms) | tokens/s (job) | throughput vs 1 process, 1 thread |")

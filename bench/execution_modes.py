@@ -12,7 +12,7 @@ from __future__ import annotations
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
 
-from common import model_and_data, parser, print_table, trainer_step_time
+from common import bf16_where_native, model_and_data, parser, print_table, trainer_step_time
 
 
 def run(mode, opts, data, config) -> float:
@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["eager", "compile", "lazy"])
     opts = p.parse_args()
     accelerator = detect_accelerator()
+    opts.bf16 = bf16_where_native(accelerator, opts.bf16)
     config, data = model_and_data(opts)
     times = {mode: [] for mode in opts.modes}
     for _ in range(opts.repeats):

@@ -23,7 +23,7 @@ from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
 from hputrain.telemetry import SavedForBackward
 
-from common import _Timing, median_step, model_and_data, parser
+from common import _Timing, bf16_where_native, machine, median_step, model_and_data, parser
 
 SETTINGS = {
     "bf16": {"bf16": True},
@@ -65,14 +65,18 @@ def main() -> None:
     if opts.one:
         print(json.dumps(one_run(opts, opts.one)))
         return
+    accelerator = detect_accelerator()
+    if not bf16_where_native(accelerator, True):  # fp8 runs its other layers in bf16
+        print("fp8 runs the layers it does not convert in bf16, which this device only emulates: "
+              "nothing comparable to measure here")
+        return
     runs = {name: [] for name in SETTINGS}
     for _ in range(opts.repeats):
         for name in SETTINGS:
             out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", name], check=True,
                                  capture_output=True, text=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
-    accelerator = detect_accelerator()
-    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}")
+    print(f"machine: {machine(accelerator)}")
     print(f"model: {opts.size} GPT, seq {opts.seq_len}, batch {opts.batch}, {opts.steps} steps, first "
           f"{opts.warmup} left out, {opts.repeats} interleaved repeats (one process each)")
     base = runs["bf16"]

@@ -15,6 +15,8 @@ from hputrain.accelerators import detect_accelerator
 from hputrain.inference import Generator
 from hputrain.models.gpt import GPT, GPTConfig
 
+from common import machine
+
 
 def one_run(generator, prompts, opts):
     result = generator.generate(prompts, opts.new_tokens)
@@ -46,8 +48,7 @@ def main() -> None:
     accelerator = detect_accelerator()
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_size(opts.size, block_size=opts.block_size)).to(accelerator.setup(0))
-    print(f"machine: {accelerator.device_name()} ({accelerator.name}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"machine: {machine(accelerator)}")
     print(f"model: {opts.size} GPT (context {opts.block_size}), prompt {opts.prompt_len} tokens, "
           f"{opts.new_tokens} new tokens, greedy, median of {opts.repeats}")
     print("| batch | mode | tokens/s per sequence | tokens/s (batch) | time to first token (ms) | graphs vs eager |")

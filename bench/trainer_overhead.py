@@ -17,7 +17,7 @@ from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT, GPTConfig
 
-from common import median_step, model_and_data, parser, print_table
+from common import bf16_where_native, median_step, model_and_data, parser, print_table
 from hputrain.optim import lr_lambda
 
 
@@ -70,6 +70,7 @@ def main() -> None:
     p = parser(__doc__, steps=60, repeats=5)
     opts = p.parse_args()
     accelerator = detect_accelerator()
+    opts.bf16 = bf16_where_native(accelerator, opts.bf16)
     device = accelerator.setup(0)
     config, data = model_and_data(opts)
     runs = {"hand-written loop": [], "hputrain Trainer": []}

@@ -2,10 +2,15 @@
 Trainer then launches itself, devices × num_nodes), or in-process as the single-process reference.
 
     dist_script.py OUTPUT_DIR PER_DEVICE_BATCH STRATEGY [--devices N] [--num-nodes M] [--kill-rank R --kill-step S]
+
+A run stopped by SIGTERM / SIGINT exits 128 + the signal after the Trainer saved, without the
+weights files; --step-sleep S slows each step, and each rank writes its pid to OUTPUT_DIR/pid-RANK.
 """
 import argparse
 import os
 import signal
+import sys
+import time
 
 import torch
 
@@ -22,15 +27,17 @@ def data(n=96, seq=16):
 class Model(GPT):
     """The GPT, which kills its own process at a given step on a given rank (first attempt only)."""
 
-    def __init__(self, kill_rank=None, kill_step=None):
+    def __init__(self, kill_rank=None, kill_step=None, step_sleep=0.0):
         super().__init__(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
         self.calls, self.kill_rank, self.kill_step = 0, kill_rank, kill_step
+        self.step_sleep = step_sleep
 
     def forward(self, *args, **kwargs):
         self.calls += 1
         if (self.kill_rank == int(os.environ.get("RANK", "0")) and self.calls == self.kill_step
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.step_sleep)
         return super().forward(*args, **kwargs)
 
 
@@ -48,9 +55,10 @@ def main(argv=None):
     p.add_argument("--cp", type=int, default=1, help="context_parallel_size")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
     opts = p.parse_args(argv)
     torch.manual_seed(0)
-    model = Model(opts.kill_rank, opts.kill_step)
+    model = Model(opts.kill_rank, opts.kill_step, opts.step_sleep)
     args = TrainingArguments(output_dir=opts.output_dir, max_steps=opts.steps, learning_rate=3e-3,
                              logging_steps=1, per_device_train_batch_size=opts.batch, save_steps=5,
                              disable_tqdm=True, throughput_warmup_steps=0, accelerator="cpu",
@@ -59,7 +67,11 @@ def main(argv=None):
                              context_parallel_size=opts.cp, bf16=opts.bf16,
                              resume_from_checkpoint="latest" if opts.resume else None)
     trainer = Trainer(model, args, train_dataset=data())
-    trainer.train()
+    with open(os.path.join(opts.output_dir, f"pid-{trainer.group.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    output = trainer.train()
+    if output.interrupted_by is not None:
+        sys.exit(128 + output.interrupted_by)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                os.path.join(opts.output_dir, f"weights-rank{trainer.group.rank}.pt"))
     return model

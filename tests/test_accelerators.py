@@ -27,7 +27,8 @@ def test_cpu_contract():
     assert cpu.dist_backend() == "gloo"
     assert cpu.compile_backend() == "inductor"
     assert cpu.execution_mode == "eager"
-    assert cpu.peak_flops(torch.bfloat16) is None
+    assert cpu.peak_flops(torch.bfloat16) is None  # no published peak: the probe's instead
+    assert cpu.measured_peak_flops(torch.float32) > 0 and cpu.measured_peak_flops(torch.float8_e4m3fn) is None
     stats = cpu.memory_stats()
     assert set(stats) == {"memory_allocated_gb", "max_memory_allocated_gb", "total_memory_available_gb"}
     assert 0 < stats["memory_allocated_gb"] <= stats["max_memory_allocated_gb"] < stats["total_memory_available_gb"]
@@ -262,6 +263,7 @@ def test_hpu_memory_stats_mapping(fake_hpu):
 def test_hpu_peak_flops_graphs_and_rng(fake_hpu):
     hpu = HPUAccelerator()
     assert hpu.peak_flops(torch.bfloat16) == 432e12
+    assert hpu.native_bf16() and hpu.measured_peak_flops(torch.bfloat16) is None  # published only
     fake_hpu.device_name = "GAUDI3"
     assert hpu.peak_flops(torch.bfloat16) == 1835e12
     fake_hpu.device_name = "GAUDI2"
@@ -320,3 +322,5 @@ def test_cuda_contract():
     assert opt.defaults["fused"] is True
     if "H100" in cuda.device_name():
         assert cuda.peak_flops(torch.bfloat16) == 989e12
+    assert cuda.native_bf16() == (torch.cuda.get_device_capability() >= (8, 0))
+    assert (cuda.bf16_shortfall() is None) == cuda.native_bf16()

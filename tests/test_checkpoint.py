@@ -1,5 +1,7 @@
 """Checkpoints: exact round trips, rotation, atomic saves (even under SIGKILL), corrupt files."""
 
+import dataclasses
+import json
 import os
 import random
 import signal
@@ -68,7 +70,9 @@ def test_round_trip_restores_weights_optimizer_scheduler_state_and_rng(tmp_path)
                              accelerator=CPUAccelerator())
     assert folder == tmp_path / "checkpoint-3"
     assert sorted(p.name for p in folder.iterdir()) == [
-        "model.safetensors", "optimizer.pt", "rng_state_0.pt", "scheduler.pt", "trainer_state.json"]
+        "config.json", "model.safetensors", "optimizer.pt", "rng_state_0.pt", "scheduler.pt",
+        "trainer_state.json"]
+    assert json.loads((folder / "config.json").read_text()) == dataclasses.asdict(model.config)
     expected = draws()
 
     fresh = tiny_run(seed=7)  # other weights, and it moves the torch generator
@@ -154,7 +158,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "_torch_save", half_then_crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="checkpoint-2: disk full"):
         save(tmp_path, 2, run)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
@@ -173,7 +177,7 @@ def test_failed_rename_on_resave_puts_the_old_folder_back(tmp_path, monkeypatch)
         real_replace(src, dst)
 
     monkeypatch.setattr(ckpt.os, "replace", replace)
-    with pytest.raises(OSError, match="rename failed"):
+    with pytest.raises(CheckpointError, match="rename failed"):
         save(tmp_path, 1, run)
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]

@@ -93,7 +93,8 @@ def test_flags_derived_from_the_dataclass():
     every = {f for f in TrainingArguments.__dataclass_fields__}
     parser = argparse.ArgumentParser()
     add_dataclass_flags(parser, TrainingArguments)
-    assert every == {a.dest for a in parser._actions if a.dest != "help"}
+    shown = {a.dest for a in parser._actions if a.dest != "help" and a.help != argparse.SUPPRESS}
+    assert every == shown  # the hidden ones are Hugging Face names that say what to use instead
 
 
 def test_bad_flag_value():
@@ -143,3 +144,88 @@ def test_bad_accelerator_configs(tmp_path, data, match):
     (tmp_path / "g.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=match):
         AcceleratorConfig.from_file(tmp_path / "g.json")
+
+
+# -- bad numbers and bad files (one line, exit 2 through the CLI) ----------------------------------
+
+FLOAT_FIELDS = [f.name for f in TrainingArguments.__dataclass_fields__.values()
+                if "float" in str(f.type)]
+
+
+def test_float_fields_are_all_covered():
+    assert {"learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+            "max_grad_norm", "num_train_epochs", "warmup_ratio"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_float_fields_must_be_finite(name, value):
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number, got {value}"):
+        TrainingArguments(**{name: value})
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 10**30, -1])
+def test_seed_must_fit_the_generators(seed):
+    with pytest.raises(ConfigError, match="seed must be a whole number from 0 to 2\\*\\*63 - 1"):
+        TrainingArguments(seed=seed)
+    import torch
+
+    largest = TrainingArguments(seed=2**63 - 1).seed
+    torch.Generator().manual_seed(largest + 1000)  # the data order reseeds with seed + epoch
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_config_file_that_is_not_utf8(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes('{"output_dir": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError) as exc:
+        TrainingArguments.from_file(path)
+    assert str(exc.value) == f"config file {path} is not UTF-8 text (byte 19: b'\\xe9')"
+
+
+def test_nan_in_a_json_file(tmp_path):
+    (tmp_path / "c.json").write_text('{"learning_rate": NaN}')
+    with pytest.raises(ConfigError, match="learning_rate must be a finite number, got nan"):
+        TrainingArguments.from_file(tmp_path / "c.json")
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"eval_batches": 0}, "eval_batches must be at least 1, got 0"),
+    ({"eval_batches": -1}, "eval_batches must be at least 1, got -1"),
+    ({"seq_len": 1}, "seq_len must be at least 2"),
+    ({"max_corpus_bytes": 0}, "max_corpus_bytes must be at least 1"),
+])
+def test_recipe_options(options, match):
+    from hputrain.recipe import RecipeOptions
+
+    with pytest.raises(ConfigError, match=match):
+        RecipeOptions(**options)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--learning-rate", "inf"], ["learning_rate must be a finite number, got inf"]),
+    (["--learning-rate", "nan"], ["learning_rate must be a finite number, got nan"]),
+    (["--max-grad-norm", "inf"], ["max_grad_norm must be a finite number"]),
+    (["--seed", str(2**64)], ["seed must be a whole number"]),
+    (["--seed", "1" + "0" * 40], ["seed must be a whole number"]),
+    (["--eval-batches", "0"], ["eval_batches must be at least 1, got 0"]),
+    (["--eval-batches", "-1"], ["eval_batches must be at least 1, got -1"]),
+])
+def test_bad_numbers_on_the_command_line(capsys, monkeypatch, tmp_path, argv, words):
+    from hputrain.cli import main
+
+    monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", str(tmp_path / "none.json"))
+    # a missing corpus: were the value taken, the run would stop there, not train
+    assert main(["train", "--corpus", str(tmp_path / "missing"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def test_config_file_not_utf8_on_the_command_line(capsys, monkeypatch, tmp_path):
+    from hputrain.cli import main
+
+    monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", str(tmp_path / "none.json"))
+    (tmp_path / "c.json").write_bytes(b'{"max_steps": 3, "corpus": "\xff"}')
+    assert main(["train", "--config", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"config file {tmp_path / 'c.json'} is not UTF-8" in err, err

@@ -135,3 +135,50 @@ def test_corpus_too_small_raises(tmp_path):
 
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
+
+
+READ_IN_A_CHILD = ("import sys; from hputrain.data import read_corpus\n"
+                   "try:\n    sys.stdout.buffer.write(read_corpus(sys.argv[1]))\n"
+                   "except ValueError as exc:\n    print(exc, file=sys.stderr); sys.exit(2)")
+
+
+def read_in_a_child(path):
+    """read_corpus(path) in a child process, so that a hang fails the test instead of blocking it."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", READ_IN_A_CHILD, str(path)], capture_output=True,
+                          timeout=60)
+
+
+def test_fifos_in_a_corpus_folder_are_skipped_not_waited_on(tmp_path):
+    import os
+
+    (tmp_path / "a.txt").write_text("alpha\n")
+    os.mkfifo(tmp_path / "b.txt")  # no writer: opening it to read would wait for ever
+    (tmp_path / "c.txt").symlink_to(tmp_path / "b.txt")
+    (tmp_path / "d.txt").write_text("delta\n")
+    proc = read_in_a_child(tmp_path)
+    assert proc.returncode == 0 and proc.stdout == b"alpha\n\ndelta\n", proc.stderr
+
+
+def test_a_fifo_as_the_corpus_path_is_one_line(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "corpus.txt")
+    proc = read_in_a_child(tmp_path / "corpus.txt")
+    assert proc.returncode == 2 and b"neither a regular file nor a folder" in proc.stderr
+    assert proc.stderr.count(b"\n") == 1
+
+
+def test_reading_opens_a_fifo_without_waiting(tmp_path):
+    """The check made when a file is opened (it may have become a FIFO since the walk)."""
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "late.txt")
+    code = "import sys; from hputrain.data import _read_text_file; print(_read_text_file(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "late.txt")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "None\n", proc.stderr  # returned: no writer needed

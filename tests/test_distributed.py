@@ -3,6 +3,7 @@ process with the doubled batch; two "nodes" started with Lightning's environment
 killed rank ends the job; --max-restarts resumes from the checkpoint."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -155,3 +156,223 @@ def test_world_size_must_match_devices_and_nodes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(InputError, match="WORLD_SIZE=3, but devices=2 × num_nodes=2 is 4"):
         relaunch_current_program(2, 2)
+
+
+# -- signals, failures and bad input at the launcher ---------------------------------------------
+
+SIGNAL_SCRIPT = str(ROOT / "tests" / "signal_script.py")
+
+
+def start_launch(*argv):
+    return subprocess.Popen([sys.executable, "-m", "hputrain.cli", "launch", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+
+
+def wait_for(condition, what, timeout=180):
+    """Poll `condition` (a safety limit, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def worker_pids(out, ranks=2):
+    wait_for(lambda: all((out / f"pid-{rank}").exists() for rank in range(ranks)), "the workers")
+    return [int((out / f"pid-{rank}").read_text()) for rank in range(ranks)]
+
+
+def running(pid):
+    """The process exists and is not a zombie waiting for PID 1 to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def launcher_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("hputrain launch")]
+
+
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, marks=pytest.mark.ci),
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, signum):
+    port = free_port()
+    proc = start_launch("--nproc-per-node", "2", "--master-port", str(port), SIGNAL_SCRIPT, str(tmp_path), "wait")
+    worker_pids(tmp_path)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert [(tmp_path / f"stopped-{rank}").read_text() for rank in (0, 1)] == [str(int(signum))] * 2
+    assert len(launcher_lines(err)) == 1 and "Traceback" not in err, err[-3000:]
+    # a single-node --master-port is honoured, on the loopback interface
+    assert (tmp_path / "env-0").read_text() == f"127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_ends_the_job_without_a_restart(tmp_path):
+    proc = start_launch("--nproc-per-node", "2", "--max-restarts", "1", SIGNAL_SCRIPT, str(tmp_path), "wait")
+    pids = worker_pids(tmp_path)
+    os.kill(pids[1], signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert launcher_lines(err) == ["hputrain launch: stopped by SIGTERM (rank 0 exited 143, rank 1 exited 143); "
+                                   "exit 143"], err[-3000:]
+    assert worker_pids(tmp_path) == pids  # not restarted
+    assert (tmp_path / "stopped-0").exists() and (tmp_path / "stopped-1").exists()
+
+
+@pytest.mark.ci
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_kill_9_of_the_launcher_leaves_no_worker(tmp_path):
+    proc = start_launch("--nproc-per-node", "2", SIGNAL_SCRIPT, str(tmp_path), "wait")
+    pids = worker_pids(tmp_path)
+    assert all(running(pid) for pid in pids)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 5
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_named_with_its_last_error_line(tmp_path):
+    proc = start_launch("--nproc-per-node", "2", SIGNAL_SCRIPT, str(tmp_path), "fail", "1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    # rank 0 was only stopped by the launcher after rank 1 failed: not a failure of its own
+    assert launcher_lines(err) == ["hputrain launch: rank 1 failed (exit code 3): rank 1: the data set is empty"]
+
+
+def test_stop_signal_tells_a_requested_stop_from_a_crash():
+    from types import SimpleNamespace
+
+    from hputrain.distributed.launch import stop_signal
+
+    def failures(*codes):
+        return {rank: SimpleNamespace(exitcode=code, timestamp=100) for rank, code in enumerate(codes)}
+
+    assert stop_signal(failures(143, 143)) == signal.SIGTERM
+    assert stop_signal(failures(130, -2)) == signal.SIGINT
+    assert stop_signal(failures(143, -15)) == signal.SIGTERM  # a rank without a handler dies of it
+    assert stop_signal(failures(143, -9)) is None  # killed after the shutdown timeout: a failure
+    assert stop_signal(failures(1, 143)) is None and stop_signal(failures(3)) is None
+    early = {0: SimpleNamespace(exitcode=143, timestamp=101), 1: SimpleNamespace(exitcode=130, timestamp=100)}
+    assert stop_signal(early) == signal.SIGINT  # the first failure names the signal
+
+
+def test_error_line_never_shows_torchs_pointer():
+    from hputrain.distributed.launch import error_line
+
+    assert error_line({"message": "ValueError: bad\nmore", "extraInfo": {}}) == "ValueError: bad"
+    assert "traceback" not in error_line("To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+    assert error_line("Signal 9 (SIGKILL) received by PID 12") == "Signal 9 (SIGKILL) received by PID 12"
+
+
+def test_the_worker_remembers_its_last_stderr_line():
+    import io
+
+    from hputrain.distributed.entry import _LastLine
+
+    stream = _LastLine(io.StringIO())
+    stream.write("Traceback-free output\nhputrain: error: the data")
+    stream.write(" set is empty\n\n")
+    assert stream.last == "hputrain: error: the data set is empty"
+    stream.write("50%|#####     |\r")
+    assert stream.last == "50%|#####     |" and stream.getvalue().startswith("Traceback-free")
+
+
+def _main_status(argv, capsys):
+    from hputrain import cli
+
+    status = cli.main(argv)
+    err = capsys.readouterr().err
+    return status, err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "0"], {}, "got 0"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000"], {}, "got 70000"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "http"], {}, "got 'http'"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1"], {"MASTER_PORT": "abc"}, "MASTER_PORT must be a port"),
+    (["--nnodes", "2", "--master-port", "29511"], {}, "MASTER_ADDR (--master-addr) is not set"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29511"], {"NODE_RANK": "one"},
+     "NODE_RANK must be a whole number"),
+])
+def test_launch_bad_ports_and_environment(argv, env, message, capsys, monkeypatch):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status, lines = _main_status(["launch", "--nproc-per-node", "2", *argv, SIGNAL_SCRIPT], capsys)
+    assert status == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.parametrize("nodes", [["--nnodes", "1"], ["--nnodes", "2", "--master-addr", "127.0.0.1"]])
+def test_launch_on_a_busy_port_is_one_line(nodes, capsys, monkeypatch):
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        status, lines = _main_status(["launch", "--nproc-per-node", "2", *nodes, "--master-port", str(port),
+                                      SIGNAL_SCRIPT], capsys)
+    assert status == 2 and len(lines) == 1 and f"{port}" in lines[0] and "in use" in lines[0], lines
+
+
+def test_world_size_without_master_addr_is_one_line(monkeypatch):
+    from hputrain.distributed.launch import relaunch_current_program
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InputError, match="WORLD_SIZE=2 is set, but MASTER_ADDR and MASTER_PORT are not"):
+        ProcessGroup.from_env("gloo")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(InputError, match="MASTER_PORT must be a port number"):
+        ProcessGroup.from_env("gloo")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(InputError, match="WORLD_SIZE must be a whole number"):
+        relaunch_current_program(2, 1)
+
+
+# -- the Trainer's stop across processes (needs the ranks to agree on stopping) --------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(out), "4", "ddp", "--steps", "30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return weights(out / "weights-rank0.pt")
+
+
+def loss_steps(out):
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(l)["step"] for l in lines[:-1] if "loss" in json.loads(l)]  # the last may be torn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_sigterm_saves_one_checkpoint_that_resumes_bit_for_bit(tmp_path, uninterrupted, target):
+    proc = start_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), "4", "ddp", "--steps", "30",
+                        "--step-sleep", "0.3")
+    pids = worker_pids(tmp_path)
+    wait_for(lambda: len(loss_steps(tmp_path)) >= 3, "training steps")
+    os.kill(proc.pid if target == "launcher" else pids[1], signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert len(launcher_lines(err)) == 1 and "Traceback" not in err, err[-3000:]
+    stop = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert stop < 30 and (tmp_path / f"checkpoint-{stop}" / "rng_state_1.pt").exists()
+    assert not (tmp_path / "weights-rank0.pt").exists()
+    proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), "4", "ddp", "--steps", "30",
+                              "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for key, value in weights(tmp_path / "weights-rank0.pt").items():
+        assert torch.equal(value, uninterrupted[key]), key

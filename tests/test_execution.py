@@ -1,9 +1,6 @@
 """Execution modes: lazy on the CPU against eager, the lazy call sequence on a (fake) Gaudi,
-compile against eager, graphs for training, and `hputrain doctor`'s findings."""
+compile against eager, and graphs for training (`hputrain doctor` is tested in test_doctor.py)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +11,6 @@ from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
 
 from .test_trainer import Regression, regression_data
-
-SCRIPT = Path(__file__).parent / "doctor_scripts" / "common.py"
 
 
 def token_data(n=64, seq=32):
@@ -121,52 +116,3 @@ def test_compile_matches_eager_in_bf16(tmp_path):
     _, eager, _ = train_gpt(tmp_path, "eager", steps=8, bf16=True)
     _, compiled, _ = train_gpt(tmp_path, "compile", steps=8, bf16=True)
     assert compiled == pytest.approx(eager, rel=2e-3)
-
-
-# -- hputrain doctor ---------------------------------------------------------------------------------
-
-def doctor(problem, tmp_path, steps=6):
-    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", "--steps", str(steps), "--json",
-                           str(SCRIPT), problem], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def kinds(report):
-    return sorted(f["kind"] for f in report["findings"])
-
-
-def test_doctor_clean_script_has_no_findings(tmp_path):
-    report = doctor("clean", tmp_path)
-    assert report["steps"] == 6 and report["findings"] == []
-    assert report["compiles_per_step"][2:] == [0, 0, 0, 0]
-    assert report["host_syncs_per_step"] == [0] * 6  # the trainer's logging every 2 steps is not a sync
-    assert not list(tmp_path.iterdir())  # the script's output_dir was redirected
-
-
-def test_doctor_finds_item_in_forward(tmp_path):
-    report = doctor("item", tmp_path)
-    assert kinds(report) == ["host_sync"] and report["host_syncs_per_step"] == [1] * 6
-    assert "common.py:18" in report["findings"][0]["message"]
-
-
-def test_doctor_finds_fallbacks(tmp_path):
-    report = doctor("fallback", tmp_path)
-    assert kinds(report) == ["fallback"] and report["fallback_ops"] == {"nonzero": 6}
-
-
-def test_doctor_finds_changing_shapes(tmp_path):
-    report = doctor("ragged", tmp_path, steps=8)
-    assert kinds(report) == ["recompilation"]
-    assert sum(report["compiles_per_step"][2:]) > 0
-    assert "pad or bucket" in report["findings"][0]["message"] and "[4, 48]" in report["findings"][0]["message"]
-
-
-def test_doctor_bad_input(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", str(tmp_path / "nope.py")],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "nope.py does not exist" in proc.stderr and proc.stderr.count("\n") == 1
-    (tmp_path / "idle.py").write_text("print('no training here')\n")
-    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", str(tmp_path / "idle.py")],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "trained no step" in proc.stderr

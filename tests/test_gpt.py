@@ -139,6 +139,55 @@ def test_config_validation(fields):
         GPTConfig(**fields)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_config_counts_parameters_without_building(bias):
+    model = tiny_model(bias=bias, vocab_size=100, block_size=24)
+    assert model.config.num_parameters() == model.num_parameters(non_embedding=False)
+
+
+def test_config_from_dict_round_trips():
+    import dataclasses
+
+    config = GPTConfig.from_size("small", block_size=64, dropout=0.1, bias=True)
+    assert GPTConfig.from_dict(dataclasses.asdict(config)) == config
+    assert GPTConfig.from_dict({"n_layer": 1, "dropout": 0}).dropout == 0  # JSON writes 0.0 as 0 sometimes
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [([1, 2], "JSON object"), ({"n_layer": "2"}, "n_layer must be of type int"),
+     ({"n_layer": 2.0}, "n_layer"), ({"bias": 1}, "bias must be of type bool"),
+     ({"n_embd": True}, "n_embd"), ({"dropout": float("nan")}, "dropout"),
+     ({"n_layers": 2}, "no field 'n_layers'"), ({"n_head": 0}, "n_head must be positive"),
+     ({"n_embd": 30, "n_head": 4}, "divisible")],
+)
+def test_config_from_dict_refuses_bad_fields(data, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig.from_dict(data)
+
+
+def test_config_from_dict_refuses_models_over_the_limit():
+    huge = {"n_layer": 10_000, "n_head": 64, "n_embd": 65_536, "block_size": 1 << 20}
+    with pytest.raises(ValueError, match=r"of [\d,]+ parameters \([\d,.]+ GB of float32 weights\), "
+                                         r"more than the limit of 1,000,000"):
+        GPTConfig.from_dict(huge, max_parameters=1_000_000)
+    small = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}
+    assert GPTConfig.from_dict(small, max_parameters=1_000_000).num_parameters() < 1_000_000
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0, 1e-45, 1e-5])
+def test_generate_refuses_temperatures_that_overflow(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        tiny_model().generate(random_tokens(1, 3), 2, temperature=temperature)
+
+
+def test_smallest_temperature_samples_finite_probabilities():
+    from hputrain.models.gpt import MIN_TEMPERATURE, pick_next_token
+
+    logits = torch.tensor([[3e3, -3e3, 0.0]])
+    assert pick_next_token(logits, MIN_TEMPERATURE, None).item() == 0
+
+
 def test_sequence_longer_than_block_size_raises():
     model = tiny_model(block_size=8)
     with pytest.raises(ValueError, match="block_size 8"):

@@ -173,3 +173,237 @@ def test_generate_bad_checkpoints(tmp_path, checkpoint):
     (broken / "model.safetensors").write_bytes(b"garbage")
     rc, _, err = hputrain("generate", "--checkpoint", str(broken), "--no-graphs")
     assert rc == 2 and err.count("\n") == 1 and "model.safetensors" in err
+
+
+# -- buckets and the model's maximum length; encoder-decoder models --------------------------------
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is not installed (hputrain[hf])")
+
+
+def recording(shapes):
+    """A capture that runs the module eagerly and records the shapes of each call's tensors: one
+    distinct record is one graph a real capture would compile."""
+    def capture(module):
+        def run(**inputs):
+            shapes.append(tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items()
+                                       if isinstance(v, torch.Tensor))))
+            return module(**inputs)
+        return run
+    return capture
+
+
+def tiny_gpt2(transformers, n_positions=48):
+    config = transformers.GPT2Config(vocab_size=64, n_positions=n_positions, n_embd=32, n_layer=1,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tiny_t5(transformers):
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                   num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def test_max_length_read_from_configs():
+    from hputrain.inference import max_length
+
+    transformers = _transformers()
+    assert max_length(tiny_gpt(block_size=40)) == (40, "block_size")
+    assert max_length(tiny_gpt2(transformers)) == (48, "n_positions")
+    bert = transformers.BertConfig(max_position_embeddings=80)
+    assert max_length(type("M", (), {"config": bert})()) == (80, "max_position_embeddings")
+    assert max_length(tiny_t5(transformers)) is None  # relative positions: no limit
+    assert max_length(torch.nn.Linear(2, 2)) is None
+
+
+@torch.no_grad()
+def test_buckets_stop_at_gpt2_position_table():
+    from hputrain.errors import InputError
+
+    transformers = _transformers()
+    model, shapes = tiny_gpt2(transformers), []
+    graphed = wrap_for_inference(model, CPUAccelerator(), buckets=(32, 64), capture=recording(shapes))
+    ids = torch.randint(0, 64, (2, 40))
+    out = graphed(input_ids=ids, labels=ids)  # bucket 64 would index past the 48 positions
+    reference = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out["logits"], reference.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["loss"], reference.loss, rtol=1e-5, atol=1e-6)
+    assert max(dict(s)["input_ids"][1] for s in shapes) == 48
+    with pytest.raises(InputError, match=r"49 tokens .* maximum of 48 \(config.n_positions\)") as error:
+        graphed(input_ids=torch.randint(0, 64, (2, 49)))
+    assert "\n" not in str(error.value)
+
+
+def test_built_in_gpt_buckets_stop_at_block_size():
+    model, shapes = tiny_gpt(block_size=40), []
+    graphed = wrap_for_inference(model, CPUAccelerator(), capture=recording(shapes))
+    ids = torch.randint(0, 256, (1, 36))
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(input_ids=ids)["logits"], model(ids)["logits"])
+    assert dict(shapes[0])["input_ids"] == (1, 40)
+
+
+T5_PAIRS = [(10, 3), (14, 7), (9, 12), (12, 5), (30, 20), (7, 9), (16, 16)]  # (source, target) lengths
+
+
+@torch.no_grad()
+def test_t5_decoder_inputs_are_bucketed():
+    transformers = _transformers()
+    model, shapes = tiny_t5(transformers), []
+    graphed = wrap_for_inference(model, CPUAccelerator(), buckets=(8, 16, 32), capture=recording(shapes))
+    g = torch.Generator().manual_seed(3)
+    for source, target in T5_PAIRS:
+        ids = torch.randint(1, 64, (2, source), generator=g)
+        labels = torch.randint(1, 64, (2, target), generator=g)
+        labels[1, target // 2:] = -100  # a padded row
+        out = graphed(input_ids=ids, labels=labels)  # no attention_mask: one is made
+        reference = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out["logits"], reference.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["loss"], reference.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["encoder_last_hidden_state"], reference.encoder_last_hidden_state,
+                                   rtol=1e-5, atol=1e-5)
+    seen = {(dict(s)["input_ids"][1], dict(s)["labels"][1]) for s in shapes}
+    # 7 target lengths but only these (source, target) bucket pairs are ever captured
+    assert seen == {(16, 8), (16, 16), (32, 32), (8, 16)}
+
+
+class RecordingCPU(CPUAccelerator):
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+
+    def wrap_graph_inference(self, module):
+        return recording(self.shapes)(module)
+
+
+def test_t5_evaluate_with_graphs_equals_eager(tmp_path):
+    transformers = _transformers()
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(1, 64, (10 + i % 5,), generator=g),
+             "labels": torch.randint(1, 64, (2 + (5 * i) % 13,), generator=g)} for i in range(12)]
+    losses, shapes = {}, []
+    for graphs in (False, True):
+        args = TrainingArguments(output_dir=str(tmp_path), use_graphs_for_inference=graphs,
+                                 per_device_eval_batch_size=3, disable_tqdm=True)
+        trainer = Trainer(tiny_t5(transformers), args, accelerator=RecordingCPU(shapes))
+        losses[graphs] = trainer.evaluate(rows)["eval_loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    # sources of 10..14 and targets of 2..14 tokens, batch 3: one shape, captured once
+    assert set(shapes) == {(("attention_mask", (3, 32)), ("input_ids", (3, 32)), ("labels", (3, 32)))}
+
+
+# -- `hputrain generate`: where the model's shape comes from, hostile checkpoints, bad flags -------
+
+def gpt_config_of(checkpoint):
+    """The built-in GPT's config in a checkpoint: config.json, else (older runs) model_config."""
+    if (checkpoint / "config.json").is_file():
+        return json.loads((checkpoint / "config.json").read_text())
+    return json.loads((checkpoint / "trainer_state.json").read_text())["model_config"]
+
+
+def copy_checkpoint(checkpoint, folder, config=None, legacy=False):
+    """A copy of `checkpoint` whose GPT config is `config` (default: its own), written to
+    config.json, or with `legacy` only into trainer_state.json's model_config (as runs before
+    config.json did)."""
+    import shutil
+
+    shutil.copytree(checkpoint, folder)
+    config = gpt_config_of(checkpoint) if config is None else config
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state.pop("model_config", None)
+    (folder / "config.json").unlink(missing_ok=True)
+    if legacy:
+        state["model_config"] = config
+    else:
+        (folder / "config.json").write_text(json.dumps(config))
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    return folder
+
+
+def generate_in_process(capsys, *argv):
+    from hputrain.cli import main
+
+    rc = main(["generate", "--cpu", "--no-graphs", *argv])
+    return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_generate_reads_config_json_and_older_model_config(tmp_path, checkpoint, capsys, legacy):
+    folder = copy_checkpoint(checkpoint, tmp_path / "ckpt", legacy=legacy)
+    rc, captured = generate_in_process(capsys, "--checkpoint", str(folder), "--max-new-tokens", "3",
+                                       "--temperature", "0", "--json")
+    assert rc == 0, captured.err
+    assert json.loads(captured.out)["tokens"] == 3
+
+
+def test_generate_prefers_config_json(tmp_path, checkpoint, capsys):
+    folder = copy_checkpoint(checkpoint, tmp_path / "ckpt")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["model_config"] = {**gpt_config_of(checkpoint), "n_layer": 7}  # stale: config.json wins
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    rc, captured = generate_in_process(capsys, "--checkpoint", str(folder), "--max-new-tokens", "2")
+    assert rc == 0, captured.err
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"n_layer": 100_000, "n_embd": 1 << 16, "n_head": 64}, "parameters"),
+    ({"n_layer": "2"}, "n_layer must be of type int"),
+    ({"vocab_size": -1}, "vocab_size must be positive"),
+    ({"rope": True}, "no field 'rope'"),
+])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_generate_refuses_bad_configs(tmp_path, checkpoint, capsys, change, match, legacy):
+    config = {**gpt_config_of(checkpoint), **change}
+    folder = copy_checkpoint(checkpoint, tmp_path / "ckpt", config, legacy=legacy)
+    rc, captured = generate_in_process(capsys, "--checkpoint", str(folder))
+    assert rc == 2 and captured.err.count("\n") == 1 and match in captured.err
+    named = "trainer_state.json" if legacy else "config.json"
+    assert f"{folder / named}" in captured.err
+
+
+@pytest.mark.parametrize("name", ["trainer_state.json", "config.json"])
+def test_generate_does_not_hang_on_a_fifo(tmp_path, checkpoint, name):
+    folder = copy_checkpoint(checkpoint, tmp_path / "ckpt")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    rc, _, err = hputrain("generate", "--checkpoint", str(folder), "--no-graphs")  # times out if it hangs
+    assert rc == 2 and err.count("\n") == 1 and "not a regular file" in err and name in err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (("--temperature", "nan"), "temperature"), (("--temperature", "inf"), "temperature"),
+    (("--temperature", "-0.5"), "temperature"), (("--temperature", "1e-45"), "temperature"),
+    (("--temperature", "1e-6"), "temperature"), (("--top-k", "0"), "top_k"), (("--top-k", "-3"), "top_k"),
+    (("--max-new-tokens", "0"), "--max-new-tokens"), (("--max-new-tokens", "-1"), "--max-new-tokens"),
+    (("--seed", str(2**64)), "--seed"),
+])
+def test_generate_refuses_bad_sampling_flags(checkpoint, capsys, flags, named):
+    rc, captured = generate_in_process(capsys, "--checkpoint", str(checkpoint), *flags)
+    assert rc == 2 and captured.err.count("\n") == 1 and named in captured.err, captured.err
+
+
+def test_generate_smallest_temperature_samples(checkpoint, capsys):
+    from hputrain.models.gpt import MIN_TEMPERATURE
+
+    rc, captured = generate_in_process(capsys, "--checkpoint", str(checkpoint), "--max-new-tokens", "4",
+                                       "--temperature", str(MIN_TEMPERATURE), "--json")
+    assert rc == 0, captured.err
+    assert json.loads(captured.out)["tokens"] == 4
+
+
+@pytest.mark.slow
+def test_train_evaluates_with_graphs_at_a_length_between_buckets(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(open(os.__file__, "rb").read()[:20_000])
+    # 40 bytes used to pad to bucket 64, past the model's 40 positions
+    rc, _, err = hputrain("train", "--corpus", str(corpus), "--output-dir", str(tmp_path / "run"),
+                          "--max-steps", "2", "--seq-len", "40", "--disable-tqdm", "--eval-steps", "2",
+                          "--eval-batches", "1", "--use-graphs-for-inference", "--save-steps", "0")
+    assert rc == 0, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in record for record in records)

@@ -112,6 +112,7 @@ def test_bad_op_lists(lists, match):
 @pytest.mark.parametrize("spelling, expected", [
     (True, "bf16-mixed"), ("bf16", "bf16-mixed"), ("bf16-mixed", "bf16-mixed"), ("BF16", "bf16-mixed"),
     (False, "32-true"), ("32", "32-true"), ("32-true", "32-true"), ("fp32", "32-true"),
+    ("auto", "auto"), (" Auto ", "auto"),
 ])
 def test_spellings(spelling, expected):
     assert parse_precision(spelling) == expected
@@ -120,9 +121,24 @@ def test_spellings(spelling, expected):
 def test_unknown_spelling_is_an_error_not_fp32():
     with pytest.raises(InputError, match="fp16 is not supported"):
         parse_precision("16-mixed")
-    with pytest.raises(InputError, match="unknown precision"):
+    with pytest.raises(InputError, match="unknown precision .* or auto"):
         TrainingArguments(precision="half-ish")
     assert TrainingArguments(precision="bf16-mixed").bf16 is True
+
+
+def test_auto_follows_the_device(fake_hpu):
+    class Emulated(CPUAccelerator):
+        def native_bf16(self):
+            return False
+
+        def bf16_shortfall(self):
+            return "bf16 here runs 50x slower than fp32"
+    auto = TrainingArguments(precision="auto")
+    assert isinstance(select_precision(auto, AcceleratorConfig(), HPUAccelerator()), BF16Autocast)
+    assert type(select_precision(auto, AcceleratorConfig(), Emulated())) is Precision
+    asked = select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), Emulated())
+    assert isinstance(asked, BF16Autocast) and asked.notice.startswith("bf16 here runs 50x slower")
+    assert select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), HPUAccelerator()).notice is None
 
 
 LEGACY = {"use_habana_mixed_precision": True, "hmp_opt_level": "O1", "hmp_is_verbose": False,

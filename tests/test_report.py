@@ -119,3 +119,29 @@ def test_report_subcommand_prints_each_file(tmp_path, capsys):
 def test_importing_report_does_not_import_matplotlib():
     code = "import sys, hputrain.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    """A run killed while writing a record leaves half a line, without its newline."""
+    run = _write(tmp_path / "run", _records())
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 50, "epoch": 1, "lo')
+    assert read_metrics(run / "metrics.jsonl") == _records()
+    assert [p.name for p in write_report(run)] == ["loss.png", "throughput.png", "memory.png"]
+
+
+def test_the_cli_reports_a_run_with_a_torn_last_line(tmp_path):
+    run = _write(tmp_path / "run", _records())
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 50, "loss": 1.')
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "report", str(run)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines()[0] == str(run / "loss.png")
+
+
+def test_a_bad_line_that_is_not_the_last_is_still_an_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}')
+    with pytest.raises(InputError, match=r"metrics\.jsonl:2: not valid JSON"):
+        read_metrics(path)

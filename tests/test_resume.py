@@ -1,4 +1,5 @@
-"""Resuming continues exactly: 2N steps equal N steps, a kill -9, and N resumed steps, bitwise."""
+"""Resuming continues exactly: 2N steps equal N steps, a kill -9, and N resumed steps, bitwise;
+the resumed run's records start on a fresh line of metrics.jsonl."""
 import json
 import signal
 import subprocess
@@ -36,6 +37,8 @@ def test_resume_after_kill_is_bitwise_identical(tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
     assert not (killed / "checkpoint-16").exists()
+    with open(killed / "metrics.jsonl", "a") as f:  # as if killed in the middle of a record
+        f.write('{"step": 10, "epoch": 0.4, "lo')
 
     resumed = resume_script.main(str(killed), resume="latest")
     for (name, p), q in zip(straight.named_parameters(), resumed.parameters()):

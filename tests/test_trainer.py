@@ -15,7 +15,9 @@ from hputrain.telemetry import ThroughputClock
 LOG_KEYS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
             "memory_allocated_gb", "max_memory_allocated_gb", "total_memory_available_gb"}
 SUMMARY_KEYS = {"step", "train_runtime", "train_samples_per_second", "train_tokens_per_second",
-                "train_steps_per_second", "mfu", "throughput_steps"}
+                "train_steps_per_second", "throughput_seconds", "throughput_samples_per_second",
+                "throughput_tokens_per_second", "throughput_steps_per_second", "throughput_steps",
+                "mfu", "mfu_vs_measured_peak"}
 
 
 class Regression(torch.nn.Module):
@@ -236,12 +238,18 @@ def test_clock_leaves_out_warmup_and_pauses(monkeypatch):
             clock.pause()
             fake.now += 100.0  # evaluation
             clock.resume()
-    summary = clock.summary(flops_per_token=6.0, peak_flops=1200.0)
-    assert summary["throughput_steps"] == 3
-    assert summary["train_steps_per_second"] == pytest.approx(1.0)
-    assert summary["train_tokens_per_second"] == pytest.approx(40.0)
+    summary = clock.summary(flops_per_token=6.0, peak_flops=1200.0, measured_peak_flops=480.0)
+    assert summary["throughput_steps"] == 3 and summary["throughput_seconds"] == pytest.approx(3.0)
+    assert summary["throughput_steps_per_second"] == pytest.approx(1.0)
+    assert summary["throughput_tokens_per_second"] == pytest.approx(40.0)
+    assert summary["throughput_samples_per_second"] == pytest.approx(4.0)
     assert summary["mfu"] == pytest.approx(6.0 * 40.0 / 1200.0)
+    assert summary["mfu_vs_measured_peak"] == pytest.approx(6.0 * 40.0 / 480.0)
+    # The Hugging Face Trainer's names keep its meaning: the whole run, warm-up and pauses included.
     assert summary["train_runtime"] == pytest.approx(123.0)
+    assert summary["train_steps_per_second"] == pytest.approx(5 / 123.0)
+    assert summary["train_tokens_per_second"] == pytest.approx(5 * 40 / 123.0)
+    assert summary["train_samples_per_second"] == pytest.approx(5 * 4 / 123.0)
 
 
 def test_trainer_throughput_excludes_warmup_evaluation_and_saving(tmp_path, monkeypatch):
@@ -264,7 +272,7 @@ def test_trainer_throughput_excludes_warmup_evaluation_and_saving(tmp_path, monk
     summary = trainer.train().metrics
     # 7 measured steps; the evaluation forwards add 0.5 s per batch but run while the clock is paused
     assert summary["throughput_steps"] == 7
-    assert summary["train_steps_per_second"] == pytest.approx(2.0)
+    assert summary["throughput_steps_per_second"] == pytest.approx(2.0)
 
 
 def test_no_host_read_back_outside_logging_steps(tmp_path, monkeypatch):

@@ -135,6 +135,7 @@ def main() -> None:
     ensure_venv()
     if opts.worker:
         return worker(opts)
+    fall_back_to_fp32(opts)
     runs = measure_all(opts)
     report = markdown(runs, opts, check_same_settings(runs, opts))
     print("\n" + report)
@@ -146,6 +147,20 @@ def main() -> None:
         update_docs(report)
     print(f"wrote {opts.out / 'results.md'}, {opts.out / 'results.json'}, {opts.plot}"
           + (f", {DOCS}" if opts.update_docs else ""))
+
+
+def fall_back_to_fp32(opts) -> None:
+    """fp32 where the CPU only emulates bf16 (tens of times slower: the bf16 runs would not
+    finish), saying so; the workers get --no-bf16 and the recorded command shows it."""
+    if not opts.bf16 or opts.device != "cpu":
+        return
+    from hputrain.accelerators.cpu import CPUAccelerator
+
+    cpu = CPUAccelerator()
+    if not cpu.native_bf16():
+        print(f"note: {cpu.bf16_shortfall()}: running in fp32 instead", flush=True)
+        opts.bf16 = False
+        sys.argv.append("--no-bf16")
 
 
 def measure_all(opts) -> dict[str, list[dict]]:
@@ -201,6 +216,11 @@ def machine() -> str:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no accelerator"
+    from hputrain.accelerators.cpu import CPUAccelerator
+
+    bf16 = CPUAccelerator().bf16_facts()  # what decides bf16 on this CPU
+    cpu += (f" (native bf16 {'yes' if bf16['native_bf16'] else 'no'}; flags "
+            f"{' '.join(bf16['cpu_flags'] or ['unknown'])}; torch capability {bf16['cpu_capability']})")
     versions = ", ".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "accelerate", "lightning",
                                                           "hputrain"))
     return (f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, {device}; {platform.system()} "

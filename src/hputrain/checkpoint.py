@@ -1,10 +1,12 @@
 """Checkpoints: save a run to `output_dir/checkpoint-STEP/` and resume it exactly.
 
-The folder (model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json, rng_state_RANK.pt,
-and model_extra_state.pt where layers have extra state, such as fp8 scaling) is assembled in a
-hidden `.tmp-checkpoint-STEP` and renamed into place when complete, so a kill mid-save leaves the
-previous checkpoint whole. Loading uses safetensors and
-`torch.load(weights_only=True)` only: a checkpoint cannot run code.
+The folder (model.safetensors, config.json as the model's library writes it, optimizer.pt,
+scheduler.pt, trainer_state.json, rng_state_RANK.pt, and model_extra_state.pt where layers have
+extra state, such as fp8 scaling) is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into
+place when complete, so a kill mid-save leaves the previous checkpoint whole; a failed write (a
+full disk) is a CheckpointError. Loading uses safetensors and `torch.load(weights_only=True)`
+only, so a checkpoint cannot run code, and checks what it loaded against the model and optimizer
+before using it. `lock_output_dir` keeps a second run out of an output_dir in use.
 
 With several processes every rank calls `save_checkpoint(..., barrier=dist.barrier)`, which runs:
 rank 0 begin_checkpoint | barrier | every rank write_rng_state, rank 0 write_rank0_files |
@@ -12,6 +14,9 @@ barrier | rank 0 finalize and rotate_checkpoints | barrier.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import json
 import os
 import pickle
@@ -24,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .checkpoint_checks import check_optimizer_state, check_trainer_state
 from .errors import InputError
 
 MODEL_FILE = "model.safetensors"
@@ -34,7 +41,11 @@ _EXTRA = "_extra_state"  # the suffix torch gives those entries in state_dict()
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.json"  # the model's configuration, written the way its library writes it
+LOCK_FILE = ".hputrain.lock"  # in output_dir: one run at a time (see lock_output_dir)
 _FOLDER_NAME = re.compile(r"checkpoint-(\d+)")
+# What a killed save, re-save or rotation leaves: .tmp-, .old- and .deleting-checkpoint-N.
+_LEFTOVER = re.compile(r"\.(tmp|old|deleting)-(checkpoint-\d+)")
 
 
 class CheckpointError(InputError):
@@ -54,6 +65,87 @@ def rng_file(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / f"rng_state_{rank}.pt"
 
 
+def _os_reason(exc: OSError) -> str:
+    """"No space left on device (/out/x)": the system's words and the path they concern."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{reason} ({exc.filename})" if exc.filename else reason
+
+
+# -- one run per output_dir ----------------------------------------------------------------------
+class OutputDirLock:
+    """The lock `lock_output_dir` took: held until `release()` (or the end of a `with` block), and
+    dropped by the kernel when the process ends however it ends, kill -9 included."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "OutputDirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock:
+    """Make `output_dir` and take its run lock (an advisory flock on LOCK_FILE, which holds the
+    holder's pid), then clear what a killed run left in it (`clear_leftovers`). Global rank 0
+    calls this at the start of a run and releases it at the end. Raises InputError when another
+    process holds the lock (naming its pid) or the folder cannot be written."""
+    folder = Path(output_dir)
+    path = folder / LOCK_FILE
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"output_dir {folder} is not a folder.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise InputError(f"output_dir {folder} cannot be written: {_os_reason(exc)}.") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise InputError(f"output_dir {folder} is in use by another run (pid {holder}): wait for "
+                         "it to end, or choose another output_dir.") from None
+    except OSError as exc:
+        os.close(fd)
+        raise InputError(f"output_dir {folder} cannot be locked: {_os_reason(exc)}.") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        clear_leftovers(folder)
+    except OSError as exc:
+        os.close(fd)
+        raise InputError(f"output_dir {folder} cannot be written: {_os_reason(exc)}.") from None
+    return OutputDirLock(path, fd)
+
+
+def clear_leftovers(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete what a killed save or rotation left in `output_dir` (.tmp-checkpoint-N: half
+    written; .deleting-checkpoint-N: half deleted; .old-checkpoint-N: replaced), and return it.
+    An .old-checkpoint-N without its checkpoint-N (a kill between `finalize`'s two renames) is
+    the only copy of that checkpoint: it is put back instead. Only the lock holder calls this."""
+    folder, removed = Path(output_dir), []
+    if not folder.is_dir():
+        return removed
+    for child in sorted(folder.iterdir()):
+        match = _LEFTOVER.fullmatch(child.name)
+        if match is None or not child.is_dir():
+            continue
+        final = folder / match.group(2)
+        if match.group(1) == "old" and not final.exists() and (child / STATE_FILE).is_file():
+            os.replace(child, final)
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
+
+
 # -- saving ------------------------------------------------------------------------------------
 def _fsync(path: Path) -> None:
     """Flush a file or folder to disk, so a rename never publishes data still in the page cache."""
@@ -64,11 +156,31 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def _writing(file: Path) -> Iterator[None]:
+    """Name `file` in a failure to write it (a failed write() names no path; safetensors raises
+    its own error type), as an OSError that `save_checkpoint` turns into one line."""
+    try:
+        yield
+    except OSError as exc:
+        if not exc.filename:
+            exc.filename = str(file)
+        raise
+    except SafetensorError as exc:
+        raise OSError(errno.EIO, " ".join(str(exc).split()), str(file)) from exc
+
+
 def _torch_save(obj, path: Path) -> None:
-    with open(path, "wb") as f:
+    with _writing(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with _writing(path):
+        path.write_text(text, encoding="utf-8")
+        _fsync(path)
 
 
 def _on_cpu(obj):
@@ -133,22 +245,37 @@ def write_rng_state(folder: str | os.PathLike, rank: int, accelerator=None) -> N
     }, rng_file(folder, rank))
 
 
+def _write_model_config(model: torch.nn.Module, folder: Path) -> None:
+    """CONFIG_FILE as the model's library writes it: a transformers config through its own
+    `to_json_file` (what `save_pretrained` writes), a dataclass config (the built-in GPT's) as
+    the JSON of its fields. A model with neither gets no CONFIG_FILE."""
+    config, path = getattr(model, "config", None), folder / CONFIG_FILE
+    if hasattr(config, "to_json_file"):
+        with _writing(path):
+            config.to_json_file(path, use_diff=True)
+            _fsync(path)
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        _write_text(path, json.dumps(dataclasses.asdict(config), indent=2, default=str))
+
+
 def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer, scheduler,
                       state: dict) -> None:
-    """Write the model, optimizer, scheduler and trainer state (with "step" added) into `folder`.
-    An optimizer or scheduler of None is skipped."""
+    """Write the model and its configuration, the optimizer, scheduler and trainer state (with
+    "step" added) into `folder`. An optimizer or scheduler of None is skipped."""
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
-    tensors, extra = _model_state(unwrap_model(model))
-    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
-    _fsync(folder / MODEL_FILE)
+    model = unwrap_model(model)
+    tensors, extra = _model_state(model)
+    with _writing(folder / MODEL_FILE):
+        save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+        _fsync(folder / MODEL_FILE)
+    _write_model_config(model, folder)
     if extra:
         _torch_save(extra, folder / EXTRA_STATE_FILE)
     if optimizer is not None:
         _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
     if scheduler is not None:
         _torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
-    (folder / STATE_FILE).write_text(text, encoding="utf-8")
-    _fsync(folder / STATE_FILE)
+    _write_text(folder / STATE_FILE, text)
 
 
 def finalize(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
@@ -208,35 +335,53 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
         raise ValueError("save_checkpoint with world_size > 1 needs barrier= (all ranks call it).")
     wait = barrier if world_size > 1 else (lambda: None)
     tmp, final = temp_dir(output_dir, step), checkpoint_dir(output_dir, step)
-    if rank == 0:
-        begin_checkpoint(output_dir, step)
-    wait()
     try:
-        write_rng_state(tmp, rank, accelerator)
         if rank == 0:
-            write_rank0_files(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                              state=state)
+            begin_checkpoint(output_dir, step)
         wait()
+        try:
+            write_rng_state(tmp, rank, accelerator)
+            if rank == 0:
+                write_rank0_files(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                  state=state)
+            wait()
+            if rank == 0:
+                finalize(tmp, final)
+        except BaseException:
+            if world_size == 1:  # with several ranks, the next begin_checkpoint clears it
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if rank == 0:
-            finalize(tmp, final)
-    except BaseException:
-        if world_size == 1:  # with several ranks, the next begin_checkpoint clears it
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if rank == 0:
-        rotate_checkpoints(output_dir, save_total_limit, keep=final)
+            rotate_checkpoints(output_dir, save_total_limit, keep=final)
+    except OSError as exc:  # a full disk, a read-only or vanished folder: the earlier ones stay
+        raise CheckpointError(f"Cannot save checkpoint {final}: {_os_reason(exc)}.") from exc
     wait()
     return final
 
 
 # -- loading -----------------------------------------------------------------------------------
+# Sentences of torch's weights_only messages that advise rather than explain, whatever the
+# version's wording. They are never shown: one says to load with weights_only=False, which runs
+# whatever code the file holds.
+_ADVICE = ("weights only load failed", "in pytorch 2.6", "weights_only` set to `false`",
+           "weights_only=false", "re-running", "arbitrary code", "trusted source", "if you trust",
+           "trust the source", "can still be loaded", "alternatively, to load", "please use",
+           "please file an issue", "check the documentation", "add_safe_globals([")
+
+
 def _reason(exc: BaseException) -> str:
-    """One line saying why a file did not load (torch's weights_only message is a page long)."""
-    text = str(exc)
-    if isinstance(exc, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
-        detail = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0]
-        text = f"torch.load(weights_only=True) refused it ({detail.split('. Please')[0]})"
-    text = " ".join(text.split()).rstrip(".") or type(exc).__name__
+    """One line saying why a file did not load: torch's weights_only message is a page of advice
+    around one sentence of reason ("unsupported GLOBAL posix.system"); only the reason is kept."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch puts terminal bold in it
+    text = text.replace("WeightsUnpickler error:", "\n")  # what follows is the reason
+    sentences = (part.strip() for part in re.split(r"(?<=\.)\s+|\n", text))
+    kept = " ".join(part for part in sentences
+                    if part and not any(words in part.lower() for words in _ADVICE))
+    text = " ".join(kept.split()).rstrip(".")
+    if isinstance(exc, pickle.UnpicklingError):
+        text = (f"torch.load(weights_only=True) refused it ({text})" if text else
+                "torch.load(weights_only=True) refused it: it holds more than tensors and plain data")
+    text = text or type(exc).__name__
     return text if len(text) <= 300 else text[:294] + " (...)"
 
 
@@ -263,15 +408,17 @@ def _check_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"Checkpoint path {folder} is not a folder.")
     for name in (STATE_FILE, MODEL_FILE):
-        if not (folder / name).is_file():
+        path = folder / name
+        if path.exists() and not path.is_file():  # a FIFO or a folder: never opened
+            raise CheckpointError(f"{path} is not a regular file.")
+        if not path.is_file():
             raise CheckpointError(f"{folder} is not a complete checkpoint folder: {name} is missing.")
 
 
 def _read_state(file: Path) -> dict:
     with _reading(file):
         state = json.loads(file.read_text(encoding="utf-8"))
-        if not isinstance(state, dict):
-            raise ValueError("it does not hold a JSON object")
+        check_trainer_state(state, file.parent)
         return state
 
 
@@ -303,9 +450,14 @@ def _load_model(model: torch.nn.Module, folder: Path) -> None:
         if missing or unexpected:
             raise ValueError(f"it does not fit the model (missing: {', '.join(missing) or 'none'}; "
                              f"unexpected: {', '.join(sorted(unexpected)) or 'none'})")
-    if any(name.endswith(_EXTRA) for name in state):
+    names = {name for name in state if name.endswith(_EXTRA)}
+    if names:
         with _reading(folder / EXTRA_STATE_FILE):
-            model.load_state_dict(_load_pt(folder / EXTRA_STATE_FILE), strict=False)
+            extra = _load_pt(folder / EXTRA_STATE_FILE)
+            if not isinstance(extra, dict) or set(extra) != names:
+                found = sorted(map(str, extra)) if isinstance(extra, dict) else type(extra).__name__
+                raise ValueError(f"it holds {found}, the model's layers {sorted(names)}")
+            model.load_state_dict(extra, strict=False)  # each layer's set_extra_state checks its own
 
 
 def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler=None,
@@ -317,10 +469,14 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     state = _read_state(folder / STATE_FILE)
     _load_model(unwrap_model(model), folder)
     # optimizer.load_state_dict moves its state to each parameter's device
-    for target, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
-        if target is not None:
-            with _reading(folder / name):
-                target.load_state_dict(_load_pt(folder / name))
+    if optimizer is not None:
+        with _reading(folder / OPTIMIZER_FILE):
+            saved = _load_pt(folder / OPTIMIZER_FILE)
+            check_optimizer_state(saved, optimizer)
+            optimizer.load_state_dict(saved)
+    if scheduler is not None:
+        with _reading(folder / SCHEDULER_FILE):
+            scheduler.load_state_dict(_load_pt(folder / SCHEDULER_FILE))
     if restore_rng:
         _restore_rng(rng_file(folder, rank), accelerator)
     return state

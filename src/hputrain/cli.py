@@ -30,10 +30,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    """Every flag of `parser` and of its subcommands."""
+    """Every flag of `parser` and of its subcommands, leaving out hidden ones (another project's
+    names that are refused with advice: never a suggestion)."""
     found = []
     for action in parser._actions:
-        found += action.option_strings
+        if action.help != argparse.SUPPRESS:
+            found += action.option_strings
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 found += _option_strings(sub)
@@ -61,6 +63,7 @@ def cmd_env(args) -> int:
         "execution_mode": accelerator.execution_mode,
         "dist_backend": accelerator.dist_backend(),
         "compile_backend": accelerator.compile_backend(),
+        **accelerator.bf16_facts(),  # native_bf16 and what decided it (CPU: flags, measured rates)
         "torch": torch.__version__,
         "hputrain": __version__,
         "python": sys.version.split()[0],
@@ -73,6 +76,10 @@ def cmd_env(args) -> int:
     for key, value in report.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        elif isinstance(value, list):
+            value = " ".join(value) or "-"
+        elif isinstance(value, bool):
+            value = "yes" if value else "no"
         print(f"{key:<{width}}  {value}")
     return 0
 
@@ -108,7 +115,41 @@ def build_parser() -> Parser:
     return parser
 
 
+class _ClosedPipeQuiet:
+    """A standard stream for `hputrain train | head -1`: once its reader has gone, output goes to
+    /dev/null and the command runs on to its end (a training run trains and saves as usual),
+    instead of dying of a BrokenPipeError traceback."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())  # what is still buffered drains into it
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ClosedPipeQuiet(sys.stdout), _ClosedPipeQuiet(sys.stderr)
     try:
         args = build_parser().parse_args(argv)
         _force_cpu(args)
@@ -119,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hputrain: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import sys
 import textwrap
 import types
@@ -32,13 +33,23 @@ class ConfigError(InputError):
 
 # -- helpers shared by both dataclasses ------------------------------------------------------------
 
-def unknown_key(key: str, valid: typing.Iterable[str], where: str) -> ConfigError:
-    return ConfigError(f"unknown key {key!r} in {where}{did_you_mean(key, valid)}")
+def unknown_key(key: str, valid: typing.Iterable[str], where: str,
+                foreign: dict[str, str] | None = None, kind: str = "key") -> ConfigError:
+    """The error for a key that is not a field; `foreign` maps another project's names to what
+    to use instead (see vocabulary.py)."""
+    if foreign and key in foreign:
+        return ConfigError(f"{where}: {key} {foreign[key]}")
+    return ConfigError(f"unknown {kind} {key!r} in {where}{did_you_mean(key, valid)}")
+
+
+def _hint(annotation):
+    """A field's annotation as a type (dataclass annotations are strings here)."""
+    return eval(annotation, vars(sys.modules[__name__])) if isinstance(annotation, str) else annotation
 
 
 def _base_type(annotation) -> tuple[type, bool]:
     """(the plain type, whether None is allowed) of a field's annotation."""
-    hint = eval(annotation, vars(sys.modules[__name__])) if isinstance(annotation, str) else annotation
+    hint = _hint(annotation)
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -57,6 +68,8 @@ def _coerce(cls, name: str, value, where: str):
         return list(value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
+    if isinstance(value, str) and str in typing.get_args(_hint(cls.__dataclass_fields__[name].type)):
+        return value  # a field such as report_to takes one name or a list of them
     raise ConfigError(f"{name} in {where} must be {kind.__name__}"
                       f"{' or null' if optional else ''}, got {value!r}")
 
@@ -65,9 +78,12 @@ def read_mapping(path: str | Path) -> dict:
     """A JSON or TOML file's top-level table, or a ConfigError naming the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r})") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -86,7 +102,7 @@ def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
         if key in ignore:
             continue
         if key not in names:
-            raise unknown_key(key, names, where)
+            raise unknown_key(key, names, where, vocabulary.FOREIGN_NAMES.get(cls))
         values[key] = _coerce(cls, key, value, where)
     return values
 
@@ -113,7 +129,18 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_choice(name: str, value, choices) -> None:
+def check_finite(config) -> None:
+    """Every float field of a dataclass holds a finite number (inf and nan parse as floats)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        _check(not isinstance(value, float) or math.isfinite(value),
+               f"{f.name} must be a finite number, got {value}")
+
+
+def check_choice(name: str, value, choices, foreign: dict[str, str] | None = None) -> None:
+    """`value` is one of `choices`; `foreign` maps other projects' values to what to use instead."""
+    if foreign and value in foreign:
+        raise ConfigError(f"{name}={value!r} {foreign[value]}")
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}"
                           f"{did_you_mean(value, choices, cutoff=0.6)}")
@@ -125,8 +152,29 @@ SCHEDULES = ("linear", "cosine", "constant")
 STRATEGIES = ("auto", "single", "ddp", "fast_ddp")
 EXECUTION_MODES = ("auto", "eager", "lazy", "compile")
 ACCELERATOR_NAMES = ("auto", "hpu", "cuda", "mps", "cpu")
+# optim: whether it asks for the device's fused AdamW (None: the device's default).
+OPTIMIZERS = {"auto": None, "adamw_torch": False, "adamw_torch_fused": True, "adamw_hpu": True}
+REPORT_TARGETS = ("tensorboard", "all", "none")
 
 
+def _refuse_unknown_keywords(cls):
+    """An unknown keyword becomes one line saying what to use instead (for Hugging Face's names)
+    or naming the nearest field, instead of a bare TypeError."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        for key in kwargs:
+            if key not in cls.__dataclass_fields__:
+                raise unknown_key(key, cls.__dataclass_fields__, cls.__name__,
+                                  vocabulary.FOREIGN_NAMES.get(cls), kind="argument")
+        init(self, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_refuse_unknown_keywords
 @dataclass(kw_only=True)
 class TrainingArguments:
     """Everything a training run needs to know, by the names users already know: Hugging Face's
@@ -150,6 +198,10 @@ class TrainingArguments:
     """AdamW beta2."""
     adam_epsilon: float | None = None
     """AdamW epsilon; unset means the optimizer's default (1e-8 torch AdamW, 1e-6 Gaudi FusedAdamW)."""
+    optim: str = "auto"
+    """AdamW kernel: auto (the device's default), adamw_torch (unfused), adamw_torch_fused or
+    adamw_hpu (the device's fused AdamW: Gaudi's FusedAdamW, torch's fused kernel elsewhere).
+    An AcceleratorConfig's use_fused_adam, when set, wins (as in Optimum for Intel Gaudi)."""
     max_grad_norm: float = 1.0
     """Clip gradients to this total norm; 0 disables clipping."""
     num_train_epochs: float = 3.0
@@ -158,6 +210,8 @@ class TrainingArguments:
     """Optimizer steps to train for; -1 means use num_train_epochs."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from 0."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a fraction of the total steps (rounded up), when warmup_steps is 0."""
     lr_scheduler_type: str = "linear"
     """Learning-rate schedule after warm-up: linear, cosine or constant."""
     logging_steps: int = 10
@@ -169,11 +223,14 @@ class TrainingArguments:
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest."""
     seed: int = 42
-    """Seed for model initialisation, data order and dropout."""
+    """Seed for model initialisation, data order and dropout: 0 to 2**63 - 1 (torch's generators
+    take 64 bits, and each epoch reseeds the data order with seed + epoch)."""
     bf16: bool = False
     """Mixed precision with bfloat16 autocast."""
     precision: str | None = None
-    """The same in Lightning's spelling (bf16-mixed, bf16, 32-true, 32); when set, it decides bf16."""
+    """The same in Lightning's spelling (bf16-mixed, bf16, 32-true, 32), or auto: bf16 where the
+    device runs it natively (Gaudi, recent NVIDIA GPUs, CPUs with AVX512-BF16/AMX), else fp32.
+    When set, it decides bf16; with auto, bf16=True still asks for bf16 everywhere."""
     torch_compile: bool = False
     """Compile the model with torch.compile (same as execution_mode="compile")."""
     torch_compile_backend: str | None = None
@@ -222,8 +279,43 @@ class TrainingArguments:
     """Forward passes of amax history that delayed fp8 scaling takes the largest from."""
     disable_tqdm: bool = False
     """Hide the progress bar."""
+    remove_unused_columns: bool = True
+    """Drop the dataset columns the model's forward does not take (a text column) before the
+    data_collator sees them; labels are kept."""
+    report_to: list[str] | str | None = None
+    """Where metrics go besides metrics.jsonl: "tensorboard" (or "all") or "none"; unset means
+    TensorBoard when it is installed. Read as a list."""
+
+    # Hugging Face's and Optimum for Intel Gaudi's spellings, translated into the fields above
+    # when the arguments are made (they then read as unset), so that their scripts run as written.
+    use_cpu: bool = False
+    """Hugging Face's spelling of accelerator="cpu"."""
+    no_cuda: bool = False
+    """Hugging Face's older spelling of accelerator="cpu"."""
+    use_habana: bool = False
+    """Optimum for Intel Gaudi's spelling of accelerator="hpu" (False leaves accelerator alone)."""
+    use_lazy_mode: bool | None = None
+    """Optimum for Intel Gaudi's spelling of execution_mode: True is lazy, False eager (compile
+    with torch_compile)."""
+    eval_strategy: str | None = None
+    """Hugging Face's: "steps" evaluates every eval_steps (logging_steps when eval_steps is 0);
+    "no" is eval_steps=0 (evaluate only at the end, and only given an eval_dataset)."""
+    save_strategy: str | None = None
+    """Hugging Face's: "steps" saves every save_steps; "no" is save_steps=-1."""
+    logging_strategy: str | None = None
+    """Hugging Face's: "steps" logs every logging_steps (the only way hputrain logs)."""
+    overwrite_output_dir: bool = False
+    """Accepted from Hugging Face scripts, no effect: hputrain never deletes what is in output_dir."""
+    do_train: bool = False
+    """Accepted from Hugging Face scripts, no effect: the script calls train()."""
+    do_eval: bool = False
+    """Accepted from Hugging Face scripts, no effect: the script calls evaluate()."""
+    do_predict: bool = False
+    """Accepted from Hugging Face scripts, no effect: the script calls predict()."""
 
     def __post_init__(self) -> None:
+        self._translate_hf_spellings()
+        check_finite(self)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
                      "gradient_accumulation_steps", "logging_steps", "devices", "num_nodes",
                      "context_parallel_size", "ddp_timeout"):
@@ -248,9 +340,13 @@ class TrainingArguments:
         check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
         check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
         if self.precision is not None:
-            from .precision import parse_precision
+            from .precision import AUTO, parse_precision
 
-            self.bf16 = parse_precision(self.precision) == "bf16-mixed"
+            choice = parse_precision(self.precision)
+            if choice == AUTO:  # decided by the device, when the Trainer starts
+                self.precision = AUTO
+            else:
+                self.bf16 = choice == "bf16-mixed"
         if self.torch_compile:
             _check(self.execution_mode in ("auto", "compile"),
                    f"torch_compile=True conflicts with execution_mode={self.execution_mode!r}")
@@ -259,6 +355,47 @@ class TrainingArguments:
         check_choice("fp8_scaling", self.fp8_scaling, ("delayed", "dynamic"))
         _check(self.fp8_amax_history_len >= 1,
                f"fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}")
+        _check(0 <= self.seed < 2**63, f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed}")
+        _check(0 <= self.warmup_ratio <= 1, f"warmup_ratio must lie in [0, 1], got {self.warmup_ratio}")
+        _check(isinstance(self.warmup_steps, int),  # transformers 5 reads warmup_steps=0.1 as a ratio
+               f"warmup_steps must be a whole number, got {self.warmup_steps!r}: "
+               "for a fraction of the total steps use warmup_ratio")
+        _check(not (self.warmup_steps and self.warmup_ratio),
+               f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} are both set: "
+               "keep one (warmup_steps=0 to use the ratio)")
+        check_choice("optim", self.optim, OPTIMIZERS, foreign=vocabulary.OPTIMIZERS)
+        self.report_to = report_targets(self.report_to)
+
+    def _translate_hf_spellings(self) -> None:
+        """Hugging Face's and Optimum for Intel Gaudi's switches become accelerator, execution_mode,
+        eval_steps and save_steps, then read as unset; one that contradicts a setting is an error."""
+        if self.use_cpu or self.no_cuda:
+            self._set("accelerator", "cpu", "use_cpu=True" if self.use_cpu else "no_cuda=True")
+        if self.use_habana:
+            self._set("accelerator", "hpu", "use_habana=True")
+        if self.use_lazy_mode is not None:
+            mode = "lazy" if self.use_lazy_mode else ("compile" if self.torch_compile else "eager")
+            self._set("execution_mode", mode, f"use_lazy_mode={self.use_lazy_mode}")
+        for name, strategy in (("eval", self.eval_strategy), ("save", self.save_strategy),
+                               ("logging", self.logging_strategy)):
+            if strategy is not None:
+                check_choice(f"{name}_strategy", strategy, ("steps", "no"), foreign=vocabulary.STRATEGIES)
+        # As in the Hugging Face Trainer, the strategy decides and *_steps only sets the interval.
+        if self.eval_strategy == "steps" and self.eval_steps == 0:
+            self.eval_steps = self.logging_steps
+        if self.eval_strategy == "no":
+            self.eval_steps = 0
+        if self.save_strategy == "no":
+            self.save_steps = -1
+        _check(self.logging_strategy != "no",
+               "logging_strategy='no' is not supported: hputrain always logs; raise logging_steps")
+        self.use_cpu = self.no_cuda = self.use_habana = False
+        self.use_lazy_mode = self.eval_strategy = self.save_strategy = self.logging_strategy = None
+
+    def _set(self, name: str, value: str, because: str) -> None:
+        current = getattr(self, name)
+        _check(current in ("auto", value), f"{because} conflicts with {name}={current!r}")
+        setattr(self, name, value)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainingArguments":
@@ -335,13 +472,37 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, group_title: str |
         flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
         options = {"dest": f.name, "default": argparse.SUPPRESS,
                    "help": f"{docs.get(f.name, '')} (default: {f.default})"}
-        if kind is bool:
+        if kind is bool and f.name.startswith("no_"):  # argparse would read --no-cuda as cuda=False
+            group.add_argument(*flags, action="store_const", const=True, **options)
+        elif kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
         elif kind is list:
-            group.add_argument(*flags, nargs="*", metavar="OP", **options)
+            group.add_argument(*flags, nargs="*", metavar="NAME", **options)
         else:
             group.add_argument(*flags, type=_flag_type(kind, optional), metavar=f.name.upper(),
                                **options)
+    _add_refused_flags(group, vocabulary.FOREIGN_NAMES.get(cls, {}))
+
+
+class _Refused(argparse.Action):
+    """A flag from another project's vocabulary (--fp16): one line saying what to use instead."""
+
+    def __init__(self, option_strings, dest, message: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(None, f"{option_string}: {self.message}")
+
+
+def _add_refused_flags(group, foreign: dict[str, str]) -> None:
+    """Hidden flags for `foreign` names, leaving alone those the parser already has."""
+    for name, tail in foreign.items():
+        flags = [flag for flag in dict.fromkeys((f"--{name.replace('_', '-')}", f"--{name}"))
+                 if flag not in group._option_string_actions]
+        if flags:
+            group.add_argument(*flags, action=_Refused, message=f"{name} {tail}", nargs="?",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _flag_type(kind: type, optional: bool):
@@ -354,3 +515,43 @@ def _flag_type(kind: type, optional: bool):
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
     parse.__name__ = kind.__name__
     return parse
+
+
+def report_targets(value) -> list[str] | None:
+    """report_to as a list: [] for "none", ["tensorboard"] for "tensorboard" or "all" (the one
+    integration hputrain has); None stays None (TensorBoard when installed)."""
+    if value is None:
+        return None
+    names = list(value) if isinstance(value, (list, tuple)) else [value]
+    for name in names:
+        check_choice("report_to", name, REPORT_TARGETS, foreign=vocabulary.REPORTERS)
+    return [] if not names or "none" in names else ["tensorboard"]
+
+
+def check_trainer_kwargs(kwargs: dict) -> None:
+    """One line for the first keyword the Trainer does not take: what to use instead for the
+    Hugging Face Trainer's names, the nearest argument for a typo."""
+    from .trainer import Trainer  # the caller: already imported
+
+    valid = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
+             if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+    for key in kwargs:
+        raise unknown_key(key, valid, "Trainer", vocabulary.TRAINER_KWARGS, kind="argument")
+
+
+def as_training_arguments(args) -> TrainingArguments:
+    """The Trainer's `args`: TrainingArguments, None (the defaults) or a dict of its fields;
+    anything else (transformers' TrainingArguments above all) is one line."""
+    if args is None:
+        return TrainingArguments()
+    if isinstance(args, TrainingArguments):
+        return args
+    if isinstance(args, dict):
+        return TrainingArguments(**checked_values(TrainingArguments, args, "Trainer args"))
+    kind = f"{type(args).__module__.split('.')[0]}.{type(args).__qualname__}"
+    raise ConfigError(f"Trainer args must be hputrain.TrainingArguments or a dict of its fields, "
+                      f"got {kind}: make hputrain.TrainingArguments from the same values "
+                      "(it takes the Hugging Face names)")
+
+
+from . import vocabulary  # noqa: E402  (its tables name fields defined above)

@@ -8,6 +8,7 @@ windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted b
 from __future__ import annotations
 
 import os
+import stat
 import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,14 +41,17 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
     """Return the bytes of a text corpus, files joined by a newline, cut to at most max_bytes.
 
     With path None, read the standard library's `*.py` files. A folder is walked in sorted order,
-    skipping hidden entries, __pycache__, site-packages and dist-packages; of its files, those that
-    are UTF-8 text without NUL bytes are read. A single text file is read as it is.
+    skipping hidden entries, __pycache__, site-packages and dist-packages; of its regular files
+    (never a FIFO, socket or device), those that are UTF-8 text without NUL bytes are read. A
+    single text file is read as it is.
     """
     if max_bytes is not None and max_bytes <= 0:
         raise DataError(f"max_bytes must be positive, got {max_bytes}.")
     root = stdlib_source_dir() if path is None else Path(path)
     if not root.exists():
         raise DataError(f"Corpus path {root} does not exist.")
+    if not (root.is_file() or root.is_dir()):  # a FIFO, a device, a socket
+        raise DataError(f"Corpus path {root} is neither a regular file nor a folder.")
     suffix = ".py" if path is None else None
     files = [root] if root.is_file() else _walk_sorted(root, suffix)
 
@@ -80,14 +84,29 @@ def _walk_sorted(root: Path, suffix: str | None) -> list[Path]:
         for name in sorted(filenames):
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
                 continue
-            found.append(Path(dirpath, name))
+            if _is_regular_file(Path(dirpath, name)):
+                found.append(Path(dirpath, name))
     return found
 
 
-def _read_text_file(file: Path) -> bytes | None:
-    """Return the file's bytes if it is readable UTF-8 text without NUL bytes, else None."""
+def _is_regular_file(file: Path) -> bool:
+    """A regular file, or a link to one (not a FIFO, socket or device)."""
     try:
-        data = file.read_bytes()
+        return stat.S_ISREG(os.stat(file).st_mode)
+    except OSError:
+        return False
+
+
+def _read_text_file(file: Path) -> bytes | None:
+    """Return the file's bytes if it is a regular file of UTF-8 text without NUL bytes, else
+    None. Opened without blocking and checked before reading: a FIFO (or a device) among the
+    files would wait for a writer, or never end."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:  # owns fd from here on
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = f.read()
         data.decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
@@ -222,15 +241,25 @@ def to_device(batch, device: torch.device, non_blocking: bool = False):
     return batch
 
 
+LABEL_NAMES = frozenset({"labels", "label", "label_ids", "shift_labels"})
+"""Batch keys that are labels: kept in batches (a compute_loss, the token count) even when the
+model's forward names none of them."""
+
+
 def model_input_names(model: torch.nn.Module) -> frozenset[str] | None:
-    """The keyword arguments `model.forward` takes (None when it takes **kwargs): batch keys
-    outside it, such as a text column of a Hugging Face dataset, are not passed."""
+    """The batch keys `model.forward` takes by name (None when it names nothing and takes
+    **kwargs). Other keys, apart from LABEL_NAMES, such as a text column of a Hugging Face dataset,
+    are left out of batches (the Hugging Face Trainer's remove_unused_columns), even for a
+    forward that also takes **kwargs: transformers' models take loss and attention options there,
+    not data."""
     import inspect
 
     params = inspect.signature(model.forward).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    named = frozenset(p.name for p in params
+                      if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+    if not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return frozenset(p.name for p in params)
+    return named
 
 
 class MicroBatches:

@@ -199,14 +199,35 @@ class Fp8Linear(nn.Module):
                 "scale": self.scale.detach().cpu().clone()}
 
     def set_extra_state(self, state: dict) -> None:
-        history = state["amax_history"]
-        if tuple(history.shape) != tuple(self.amax_history.shape):
-            raise InputError(f"fp8 scaling state has an amax history of shape {tuple(history.shape)}, "
-                             f"this layer {tuple(self.amax_history.shape)} (fp8_amax_history_len differs)")
-        self.amax_history.copy_(history)
+        _check_extra_state(state, tuple(self.amax_history.shape))
+        self.amax_history.copy_(state["amax_history"])
         self.scale.copy_(state["scale"])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scaling={self.recipe.scaling}, "
                 f"minimize_memory={self.recipe.minimize_memory}")
+
+
+def _check_extra_state(state, history_shape: tuple) -> None:
+    """Raise InputError unless `state` is what `get_extra_state` writes for a layer whose amax
+    history has `history_shape`: those two keys, finite float tensors of the layer's shapes,
+    amaxes >= 0 and scales > 0."""
+    if not isinstance(state, dict) or set(state) != {"amax_history", "scale"}:
+        found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise InputError(f"fp8 scaling state must hold amax_history and scale, not {found}")
+    history, scale = state["amax_history"], state["scale"]
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise InputError(f"fp8 scaling state's {name} must be a float tensor, not "
+                             f"{getattr(value, 'dtype', type(value).__name__)}")
+    if tuple(history.shape) != history_shape:
+        raise InputError(f"fp8 scaling state has an amax history of shape {tuple(history.shape)}, "
+                         f"this layer {history_shape} (fp8_amax_history_len differs)")
+    if tuple(scale.shape) != (3,):
+        raise InputError(f"fp8 scaling state has scales of shape {tuple(scale.shape)}, not (3,)")
+    if not (history.isfinite().all() and (history >= 0).all()
+            and scale.isfinite().all() and (scale > 0).all()):
+        raise InputError("fp8 scaling state holds amaxes below 0 or scales not above 0, or "
+                         "values that are not finite")
+

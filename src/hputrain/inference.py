@@ -8,7 +8,10 @@ is captured once.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +24,14 @@ from .errors import InputError
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 
+MAX_LENGTH_FIELDS = ("n_positions", "max_position_embeddings", "block_size", "n_ctx", "max_seq_len",
+                     "seq_length")
+"""Config fields that name a model's longest input (GPT-2, most Hugging Face models, the built-in
+GPT, ...), in the order they are asked."""
+
+DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask", "labels")
+"""An encoder-decoder model's inputs whose length is the target's, not the source's."""
+
 
 def bucket_for(length: int, buckets=DEFAULT_BUCKETS) -> int:
     """The smallest bucket that holds `length` (beyond the largest: the next multiple of it)."""
@@ -30,29 +41,81 @@ def bucket_for(length: int, buckets=DEFAULT_BUCKETS) -> int:
     return -(-length // buckets[-1]) * buckets[-1]
 
 
+def max_length(model) -> tuple[int, str] | None:
+    """The longest input `model` takes and the config field that says so; None when its config
+    names none (T5's relative positions, a model without a config)."""
+    config = getattr(model, "config", None)
+    for field in MAX_LENGTH_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, field
+    return None
+
+
+def capped_buckets(buckets, limit: int | None) -> tuple[int, ...]:
+    """`buckets` cut at `limit`, which becomes the last bucket (no cut without a limit)."""
+    if limit is None:
+        return tuple(buckets)
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
 class GraphedModel(torch.nn.Module):
-    """A model run through captured graphs: sequence inputs (dim 1 of the length of input_ids)
-    are padded to a bucket (labels with -100, so the loss is unchanged) and the logits cut back."""
+    """A model run through captured graphs. Sequence inputs (dim 1 of the length of input_ids) are
+    padded to a bucket (labels with -100, so the loss is unchanged) and the logits cut back. The
+    buckets stop at the model's maximum length; a longer input is an InputError. An
+    encoder-decoder model's decoder inputs are bucketed by their own length. A model whose
+    forward takes an attention_mask gets one of ones when none is given, so that padding is
+    masked out of bidirectional attention."""
 
     def __init__(self, model: torch.nn.Module, capture, buckets=DEFAULT_BUCKETS) -> None:
         super().__init__()
-        self.model, self.buckets = model, tuple(buckets)
+        self.model, self.limit = model, max_length(model)
+        self.buckets = capped_buckets(buckets, self.limit and self.limit[0])
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        self.masks = "attention_mask" in _forward_parameters(model)
         self.captured = capture(model)
 
     def forward(self, input_ids: torch.Tensor, **inputs):
+        if self.masks and inputs.get("attention_mask") is None:
+            inputs["attention_mask"] = torch.ones_like(input_ids)
+        decoder = {key: inputs.pop(key) for key in DECODER_KEYS
+                   if self.encoder_decoder and isinstance(inputs.get(key), torch.Tensor)}
         length = input_ids.shape[1]
-        target = bucket_for(length, self.buckets)
-        padded = {key: _pad(value, length, target, PAD_VALUES.get(key, 0)) for key, value in
-                  {"input_ids": input_ids, **inputs}.items()}
+        padded = self._pad({"input_ids": input_ids, **inputs}, length, "input")
+        target = length
+        if decoder:
+            target = next(iter(decoder.values())).shape[1]  # decoder_input_ids, else labels
+            padded.update(self._pad(decoder, target, "decoder input"))
         output = self.captured(**padded)
-        if isinstance(output, dict) and "logits" in output:
-            output = {**output, "logits": output["logits"][:, :length]}
+        if isinstance(output, dict):  # a Hugging Face ModelOutput is one too
+            cut = {"logits": target, "encoder_last_hidden_state": length}
+            output = {**output, **{key: output[key][:, :n] for key, n in cut.items()
+                                   if isinstance(output.get(key), torch.Tensor)}}
         return output
+
+    def _pad(self, tensors: dict, length: int, what: str) -> dict:
+        """`tensors` whose dim 1 is `length`, padded to its bucket; the others as they are."""
+        if self.limit is not None and length > self.limit[0]:
+            limit, field = self.limit
+            raise InputError(f"{what} of {length} tokens is longer than the model's maximum of "
+                             f"{limit} (config.{field}); truncate the data to {limit} tokens")
+        bucket = bucket_for(length, self.buckets)
+        return {key: _pad(value, length, bucket, PAD_VALUES.get(key, 0))
+                for key, value in tensors.items()}
+
+
+def _forward_parameters(model: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _pad(value, length: int, target: int, fill: int):
     if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length):
         return value
+    # a copy even when nothing is added: inputs that alias each other (labels=input_ids) would
+    # be captured as another graph than the same inputs padded
     shape = (value.shape[0], target - length, *value.shape[2:])
     return torch.cat([value, value.new_full(shape, fill)], dim=1)
 
@@ -101,7 +164,10 @@ class Generator:
                  buckets=DEFAULT_BUCKETS, capture=None) -> None:
         self.model, self.accelerator = model.eval(), accelerator
         self.max_len = max_len or model.config.block_size
-        self.buckets = tuple(b for b in buckets if b < self.max_len) + (self.max_len,)
+        if not 0 < self.max_len <= model.config.block_size:
+            raise InputError(f"max_len must be in 1..{model.config.block_size} (the model's "
+                             f"block_size), got {self.max_len}")
+        self.buckets = capped_buckets(buckets, self.max_len)
         self.capture = (capture or accelerator.wrap_graph_inference) if graphs else (lambda m: m)
         self.steps: dict[int, torch.nn.Module] = {}  # batch size -> captured DecodeStep
 
@@ -113,13 +179,16 @@ class Generator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None) -> Generation:
-        from .models.gpt import pick_next_token
+        from .models.gpt import check_sampling, pick_next_token
 
+        check_sampling(temperature, top_k)
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if not prompts or min(len(p) for p in prompts) == 0:
+            raise InputError("every prompt needs at least one token")
         device = self.model.wte.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         longest = int(lengths.max())
-        if not prompts or min(len(p) for p in prompts) == 0:
-            raise InputError("every prompt needs at least one token")
         if longest + max_new_tokens > self.max_len:
             raise InputError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
                              f"model's context of {self.max_len}")
@@ -150,28 +219,99 @@ class Generator:
 
 # -- `hputrain generate` ------------------------------------------------------------------------------
 
-def load_for_generation(checkpoint_dir: str, accelerator):
-    """The built-in GPT of a checkpoint written by `hputrain train`, on the accelerator's device."""
-    from .checkpoint import CheckpointError, STATE_FILE, load_checkpoint
-    from .models.gpt import GPT, GPTConfig
+MAX_JSON_BYTES = 1 << 20
+"""Largest config.json / trainer_state.json read (each holds a few hundred bytes)."""
 
-    folder = Path(checkpoint_dir)
+NO_MEMORY_LIMIT_PARAMETERS = 10**12
+"""The parameter limit when neither the host nor the device says how much memory it has."""
+
+
+def read_json_file(file: Path):
+    """The JSON in `file`, or None when there is no such file. Anything but a regular file (a
+    FIFO would block the reader forever, a device never end) and anything over MAX_JSON_BYTES is
+    a CheckpointError: the file is opened without blocking and checked before it is read."""
+    from .checkpoint import CheckpointError
+
     try:
-        state = json.loads((folder / STATE_FILE).read_text())
-        config = GPTConfig(**state["model_config"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{folder} is not a checkpoint of the built-in GPT ({STATE_FILE} "
-                              f"missing, unreadable or without model_config: {exc})") from None
-    model = GPT(config)
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{file} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file} is not a regular file")
+        if info.st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file} is {info.st_size:,} bytes, more than a config holds "
+                                  f"({MAX_JSON_BYTES:,} at most)")
+        data = handle.read(MAX_JSON_BYTES + 1)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+
+
+def _parameter_limit(accelerator) -> int:
+    """How many float32 parameters fit in the smaller of the host's and the device's memory (the
+    model is built on the host, then moved)."""
+    from .accelerators.cpu import CPUAccelerator
+
+    sizes = [stats.get("total_memory_available_gb") or 0
+             for stats in (CPUAccelerator().memory_stats(), accelerator.memory_stats())]
+    known = [gb for gb in sizes if gb > 0]
+    return int(min(known) * 1e9 / 4) if known else NO_MEMORY_LIMIT_PARAMETERS
+
+
+def read_gpt_config(folder: Path, max_parameters: int | None = None):
+    """The GPTConfig of a checkpoint folder: its config.json (dataclasses.asdict(GPTConfig)), else
+    the "model_config" of trainer_state.json (checkpoints written before config.json); validated,
+    and no larger than `max_parameters`."""
+    from .checkpoint import CONFIG_FILE, STATE_FILE, CheckpointError
+    from .models.gpt import GPTConfig
+
+    if not folder.is_dir():
+        raise CheckpointError(f"Checkpoint folder {folder} does not exist or is not a folder")
+    state = read_json_file(folder / STATE_FILE)  # read first: a FIFO here would hang the loader
+    if state is None:
+        raise CheckpointError(f"{folder} is not a checkpoint folder: {STATE_FILE} is missing")
+    file, data = folder / CONFIG_FILE, read_json_file(folder / CONFIG_FILE)
+    if data is None:
+        file, data = folder / STATE_FILE, state.get("model_config") if isinstance(state, dict) else None
+        if data is None:
+            raise CheckpointError(f"{folder} is not a checkpoint of the built-in GPT (no "
+                                  f"{CONFIG_FILE}, and no model_config in {STATE_FILE})")
+    if isinstance(data, dict) and "model_type" in data:
+        raise CheckpointError(f"{file} is the config of a Hugging Face {data['model_type']!r} model; "
+                              f"hputrain generate runs the built-in GPT only")
+    try:
+        return GPTConfig.from_dict(data, max_parameters)
+    except ValueError as exc:
+        raise CheckpointError(f"Checkpoint {file} cannot be used: {exc}") from None
+
+
+def load_for_generation(checkpoint_dir: str, accelerator):
+    """The built-in GPT of a checkpoint written by `hputrain train`, on the accelerator's device;
+    a config whose float32 weights would not fit in memory is refused before anything is built."""
+    from .checkpoint import load_checkpoint
+    from .models.gpt import GPT
+
+    device = accelerator.setup(0)
+    folder = Path(checkpoint_dir)
+    model = GPT(read_gpt_config(folder, _parameter_limit(accelerator)))
     load_checkpoint(folder, model=model, restore_rng=False)
-    return model.to(accelerator.setup(0))
+    return model.to(device)
 
 
 def cmd_generate(args) -> int:
     from .accelerators import detect_accelerator
+    from .models.gpt import check_sampling
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        raise InputError("need --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 1")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k)  # before the checkpoint loads
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise InputError(f"--seed must be in 0..2**64-1, got {args.seed}")
     accelerator = detect_accelerator("cpu" if args.cpu else args.accelerator)
     model = load_for_generation(args.checkpoint, accelerator)
     if args.seed is not None:
@@ -183,6 +323,11 @@ def cmd_generate(args) -> int:
         generator.generate(prompts, min(2, args.max_new_tokens))
     capture = time.perf_counter() - capture
     result = generator.generate(prompts, args.max_new_tokens, args.temperature, args.top_k)
+    _print_generation(prompts, result, capture, args.json)
+    return 0
+
+
+def _print_generation(prompts, result: Generation, capture: float, as_json: bool) -> None:
     records = []
     for prompt, new in zip(prompts, result.tokens):
         records.append({
@@ -191,7 +336,7 @@ def cmd_generate(args) -> int:
             "tokens_per_second": len(new) / result.seconds,
             "time_to_first_token_ms": result.time_to_first_token * 1e3,
         })
-    if args.json:
+    if as_json:
         print(json.dumps(records[0] if len(records) == 1 else records, indent=2))
     else:
         for record in records:
@@ -199,7 +344,6 @@ def cmd_generate(args) -> int:
         print(f"({sum(r['tokens'] for r in records)} tokens, {records[0]['tokens_per_second']:.1f} "
               f"tokens/s per prompt, first token after {records[0]['time_to_first_token_ms']:.1f} ms; "
               f"graph capture before that: {capture:.1f} s)", file=sys.stderr)
-    return 0
 
 
 def add_generate_parser(sub) -> None:
@@ -207,7 +351,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by hputrain train")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="0 is greedy; otherwise at least 1e-4 (MIN_TEMPERATURE)")
     p.add_argument("--top-k", "--top_k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-graphs", action="store_true", help="run eagerly, without graph capture")

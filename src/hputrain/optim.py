@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .config import AcceleratorConfig, TrainingArguments
+from .config import OPTIMIZERS, AcceleratorConfig, TrainingArguments
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -24,11 +24,14 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def create_optimizer(model, args: TrainingArguments, config: AcceleratorConfig, accelerator):
-    """AdamW from the accelerator: fused where the device has it (or where the config asks)."""
+    """AdamW from the accelerator: fused where the device has it, where args.optim asks for it
+    (adamw_torch_fused, adamw_hpu) or where the config says (its use_fused_adam wins, as in
+    Optimum for Intel Gaudi, whose scripts pair optim="adamw_torch" with a fused GaudiConfig)."""
+    fused = config.use_fused_adam if config.use_fused_adam is not None else OPTIMIZERS[args.optim]
     return accelerator.make_adamw(
         parameter_groups(model, args.weight_decay), lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-        weight_decay=args.weight_decay, fused=config.use_fused_adam)
+        weight_decay=args.weight_decay, fused=fused)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -47,6 +50,11 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return factor
 
 
+def warmup_steps(args: TrainingArguments, total_steps: int) -> int:
+    """warmup_steps, or warmup_ratio of the total steps rounded up (the Hugging Face Trainer's rule)."""
+    return args.warmup_steps or math.ceil(args.warmup_ratio * total_steps)
+
+
 def create_scheduler(optimizer, args: TrainingArguments, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(args.lr_scheduler_type, args.warmup_steps, total_steps))
+        optimizer, lr_lambda(args.lr_scheduler_type, warmup_steps(args, total_steps), total_steps))

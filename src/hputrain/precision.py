@@ -143,6 +143,8 @@ class Precision:
 
     compute_dtype = torch.float32
     name = "32-true"
+    #: One line for the user at start, or None: bf16 asked for where it is not native.
+    notice: str | None = None
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -210,23 +212,29 @@ class Fp8Mixed(Precision):
 # Spellings users bring from Lightning, the Hugging Face Trainer and Accelerate.
 _BF16 = {"bf16", "bf16-mixed", "bf16_mixed", "bfloat16", "true"}
 _FP32 = {"32", "32-true", "fp32", "float32", "no", "false"}
+AUTO = "auto"
 
 
 def parse_precision(value) -> str:
-    """"bf16-mixed" or "32-true" from a bool or any common spelling; anything else is an error
-    (bf16 is never silently dropped)."""
+    """"bf16-mixed", "32-true" or "auto" from a bool or any common spelling; anything else is an
+    error (bf16 is never silently dropped)."""
     spelling = str(value).strip().lower()
     if value is True or spelling in _BF16:
         return "bf16-mixed"
     if value is False or value is None or spelling in _FP32:
         return "32-true"
-    raise InputError(f"unknown precision {value!r}: use bf16-mixed (bf16, bfloat16) or 32-true (32, fp32)"
+    if spelling == AUTO:
+        return AUTO
+    raise InputError(f"unknown precision {value!r}: use bf16-mixed (bf16, bfloat16), 32-true (32, fp32) "
+                     "or auto (bf16 where the device runs it natively)"
                      + ("; fp16 is not supported, use bf16" if "16" in spelling else ""))
 
 
 def select_precision(args, config, accelerator) -> Precision:
-    """The plugin for TrainingArguments.bf16 / fp8 and the accelerator config (use_torch_autocast
-    or the legacy use_habana_mixed_precision, with their op lists). fp8 runs inside bf16."""
+    """The plugin for TrainingArguments.bf16 / precision / fp8 and the accelerator config
+    (use_torch_autocast or the legacy use_habana_mixed_precision, with their op lists). fp8 runs
+    inside bf16. precision="auto" means bf16 where the accelerator runs it natively. bf16 asked
+    for where it is slow still runs in bf16, with a `notice` saying so."""
     if args.fp8:
         from .fp8 import Fp8Recipe
 
@@ -235,11 +243,22 @@ def select_precision(args, config, accelerator) -> Precision:
                              f"cannot run fp8 matrix products in execution_mode="
                              f"{accelerator.execution_mode!r}")
         recipe = Fp8Recipe(args.fp8_scaling, args.fp8_amax_history_len, args.minimize_memory)
-        return Fp8Mixed(_bf16_plugin(config, accelerator), accelerator, recipe)
-    wants_bf16 = args.bf16 or config.mixed_precision  # TrainingArguments folds `precision` into bf16
-    if not wants_bf16:
-        return Precision()
-    return _bf16_plugin(config, accelerator)
+        plugin = Fp8Mixed(_bf16_plugin(config, accelerator), accelerator, recipe)
+    elif args.bf16 or config.mixed_precision:  # TrainingArguments folds `precision` into bf16
+        plugin = _bf16_plugin(config, accelerator)
+    else:  # bf16 not asked for: float32, or with precision="auto" bf16 where it is native
+        native = getattr(args, "precision", None) == AUTO and accelerator.native_bf16()
+        return _bf16_plugin(config, accelerator) if native else Precision()
+    plugin.notice = bf16_notice(accelerator)  # bf16 was asked for: say so where it is slow
+    return plugin
+
+
+def bf16_notice(accelerator) -> str | None:
+    """The line printed at start when bf16 is asked for where the device runs it slowly."""
+    shortfall = accelerator.bf16_shortfall()
+    if shortfall is None:
+        return None
+    return f"{shortfall}: use precision='auto' or fp32 (training continues in bf16, as asked)"
 
 
 def _bf16_plugin(config, accelerator) -> BF16Autocast:

@@ -32,6 +32,11 @@ class RecipeOptions:
     eval_batches: int = 20
     """Evaluate on at most this many validation batches."""
 
+    def __post_init__(self) -> None:
+        for name, least in (("seq_len", 2), ("max_corpus_bytes", 1), ("eval_batches", 1)):
+            if getattr(self, name) < least:  # 0 batches would report a perfect eval_loss of 0.0
+                raise ConfigError(f"{name} must be at least {least}, got {getattr(self, name)}")
+
 
 # Chosen so that the no-argument run takes about 5 minutes on a 2-core CPU and visibly learns.
 RECIPE_DEFAULTS = {
@@ -49,6 +54,7 @@ RECIPE_DEFAULTS = {
     "save_steps": 1000,
     "save_total_limit": 2,
     "throughput_warmup_steps": 10,
+    "precision": "auto",  # bf16 where the device runs it natively, else fp32
 }
 
 
@@ -75,12 +81,13 @@ def resolve_settings(flags: dict) -> tuple[RecipeOptions, TrainingArguments]:
     typed = {k: v for k, v in flags.items() if k not in ("config", "accelerator_config", "cpu", "func", "command")}
     recipe |= {k: v for k, v in typed.items() if k in recipe_names}
     saved = load_defaults()  # what `hputrain config` wrote
-    training = (RECIPE_DEFAULTS | (training_defaults(saved) if saved else {}) | training
-                | {k: v for k, v in typed.items() if k not in recipe_names})
-    options = RecipeOptions(**recipe)
-    if options.seq_len < 2:
-        raise ConfigError(f"seq_len must be at least 2, got {options.seq_len}")
-    return options, TrainingArguments(**training)
+    chosen = ((training_defaults(saved) if saved else {}) | training
+              | {k: v for k, v in typed.items() if k not in recipe_names})
+    # A choice made anywhere (saved, file, flag) outranks the recipe's default for the same thing.
+    outranked = {"bf16": "precision", "warmup_ratio": "warmup_steps"}
+    defaults = {k: v for k, v in RECIPE_DEFAULTS.items()
+                if not any(choice in chosen and k == default for choice, default in outranked.items())}
+    return RecipeOptions(**recipe), TrainingArguments(**(defaults | chosen))
 
 
 def cmd_train(args) -> int:
@@ -110,10 +117,10 @@ def cmd_train(args) -> int:
               f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}), "
               f"{len(train_set)} training sequences of {options.seq_len} bytes from "
               f"{options.corpus or 'the Python standard library'}")
-    _write_recipe(training_args.output_dir, options, model_config)
     output = trainer.train()
     if not trainer.group.is_main:
         return 0
+    _write_recipe(training_args.output_dir, options, model_config)
     out = Path(training_args.output_dir)
     print(f"checkpoint: {latest_checkpoint(out)}")
     print(f"metrics:    {out / 'metrics.jsonl'}")
@@ -125,16 +132,19 @@ def cmd_train(args) -> int:
     if output.interrupted_by is not None:
         print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
         return 128 + output.interrupted_by
-    print(f"sample:     {_sample(model, trainer.device)!r}")
+    print(f"sample:     {_sample(model, next(model.parameters()).device)!r}")  # on the host after lazy mode
     return 0
 
 
 def _write_recipe(output_dir: str, options: RecipeOptions, model_config) -> None:
-    """The recipe and model shape beside the checkpoints, so a run can be rebuilt from them."""
+    """The recipe and model shape beside the checkpoints, so a run can be rebuilt from them;
+    written once the run has ended (train() holds output_dir's lock while it runs)."""
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.json").write_text(json.dumps(
-        {"recipe": dataclasses.asdict(options), "model": dataclasses.asdict(model_config)}, indent=2))
+    try:
+        (out / "recipe.json").write_text(json.dumps(
+            {"recipe": dataclasses.asdict(options), "model": dataclasses.asdict(model_config)}, indent=2))
+    except OSError as exc:
+        raise ConfigError(f"output_dir {out} cannot be written: {exc.strerror} ({exc.filename})") from None
 
 
 def _sample(model, device, prompt: bytes = b"def ", length: int = 120) -> str:

@@ -29,14 +29,16 @@ _SERIES = {
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl file, in file order; blank lines are skipped."""
+    """The records of a metrics.jsonl file, in file order; blank lines are skipped, and so is an
+    unfinished last line (no newline, not valid JSON: a run killed while writing it)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         raise InputError(f"{path}: no such file (is this a run directory?)") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
+    lines = text.split("\n")  # the last item is "" after a final newline, else an unfinished line
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -44,6 +46,8 @@ def read_metrics(path: str | Path) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if number == len(lines):
+                continue
             raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")

@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+from .errors import InputError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -43,9 +45,22 @@ class SavedForBackward:
         return sum(self._storages.values())
 
 
+def job_peak_flops(accelerator, dtype, world_size: int) -> tuple[float | None, float | None]:
+    """(published, measured) peak FLOP/s of the whole job for `dtype`: the device's published
+    dense peak where it has one, and the rate its own probe measured where it has one (the CPU's
+    matmul probe); None where unknown."""
+    published, measured = accelerator.peak_flops(dtype), accelerator.measured_peak_flops(dtype)
+    return (published * world_size if published else None,
+            measured * world_size if measured else None)
+
+
 class ThroughputClock:
     """Measures training throughput over the steps after `warmup_steps`, leaving out time spent
     in evaluation, checkpointing and logging (bracketed by `pause()` / `resume()`).
+
+    The summary gives both views, named apart: `train_runtime` and `train_*_per_second` are the
+    Hugging Face Trainer's (the whole of train(), warm-up and pauses included), `throughput_*`
+    are the steps after warm-up only, which the MFU is computed from.
 
     `synchronize` waits for queued device work, so that host time covers the device's work: it is
     called only where the clock starts, pauses and stops, never inside a step.
@@ -60,12 +75,15 @@ class ThroughputClock:
         self.paused_total = 0.0
         self.paused_at: float | None = None
         self.steps = self.samples = self.tokens = 0  # counted after warm-up
+        self.all_samples = self.all_tokens = 0  # counted from the first step of this run
         self._interval = (0.0, 0)  # (measured seconds, tokens) at the previous `interval_rate`
         if warmup_steps == 0:
             self.measure_from = time.perf_counter()
 
     def step_done(self, samples: int, tokens: int) -> None:
         self.steps_done += 1
+        self.all_samples += samples
+        self.all_tokens += tokens
         if self.measure_from is not None:
             self.steps += 1
             self.samples += samples
@@ -99,42 +117,92 @@ class ThroughputClock:
             return None
         return (tokens - last_tokens) / (seconds - last_seconds)
 
-    def summary(self, flops_per_token: float | None, peak_flops: float | None) -> dict:
-        """The final record: runtime of the whole run, throughput of the measured steps."""
+    def summary(self, flops_per_token: float | None, peak_flops: float | None,
+                measured_peak_flops: float | None = None) -> dict:
+        """The final record. `mfu` is against the device's published peak, `mfu_vs_measured_peak`
+        against a peak measured on this machine (the CPU's), each None where there is none."""
         self.synchronize()
+        runtime = time.perf_counter() - self.start_time
         seconds = self.measured_seconds()
-        rate = (lambda n: n / seconds) if seconds > 0 and self.steps else (lambda n: None)
-        tokens_per_second = rate(self.tokens)
-        mfu = None
-        if tokens_per_second and flops_per_token and peak_flops:
-            mfu = flops_per_token * tokens_per_second / peak_flops
+        measured = (lambda n: n / seconds) if seconds > 0 and self.steps else (lambda n: None)
+        whole = (lambda n: n / runtime) if runtime > 0 and self.steps_done else (lambda n: None)
+        tokens_per_second = measured(self.tokens)
+        model_flops = flops_per_token * tokens_per_second if tokens_per_second and flops_per_token else None
         return {
-            "train_runtime": time.perf_counter() - self.start_time,
-            "train_samples_per_second": rate(self.samples),
-            "train_tokens_per_second": tokens_per_second,
-            "train_steps_per_second": rate(self.steps),
-            "mfu": mfu,
+            "train_runtime": runtime,
+            "train_samples_per_second": whole(self.all_samples),
+            "train_tokens_per_second": whole(self.all_tokens),
+            "train_steps_per_second": whole(self.steps_done),
+            "throughput_seconds": seconds,
+            "throughput_samples_per_second": measured(self.samples),
+            "throughput_tokens_per_second": tokens_per_second,
+            "throughput_steps_per_second": measured(self.steps),
             "throughput_steps": self.steps,
+            "mfu": model_flops / peak_flops if model_flops and peak_flops else None,
+            "mfu_vs_measured_peak": (model_flops / measured_peak_flops
+                                     if model_flops and measured_peak_flops else None),
         }
+
+
+def open_jsonl(path: Path):
+    """`path` (and its folder) opened for appending JSON lines, on a fresh line: a last line a
+    killed run left unfinished is cut when it is not a whole record, and ended when it is.
+    An output_dir that cannot be written is an InputError naming it and why."""
+    from .errors import InputError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            _end_last_line(path)
+        return open(path, "a", encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"Cannot write {exc.filename or path}: {exc.strerror or exc}.") from None
+
+
+def _end_last_line(path: Path) -> None:
+    with open(path, "r+b") as f:
+        end = f.seek(0, 2)
+        start = end
+        while start > 0:  # back to the byte after the last newline, 64 KiB at a time
+            size = min(start, 1 << 16)
+            f.seek(start - size)
+            newline = f.read(size).rfind(b"\n")
+            if newline >= 0:
+                start += newline - size + 1
+                break
+            start -= size
+        if start == end:
+            return
+        f.seek(start)
+        try:
+            json.loads(f.read())
+        except ValueError:  # torn mid-write: nothing of it can be read
+            f.truncate(start)
+        else:
+            f.write(b"\n")
 
 
 class MetricSinks:
     """Where records go: output_dir/metrics.jsonl, TensorBoard when installed, the progress bar."""
 
     def __init__(self, output_dir: str | Path | None, total_steps: int = 0, initial_step: int = 0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, tensorboard: bool | None = None) -> None:
+        """`tensorboard`: None writes event files when the package is installed, True requires
+        it (report_to="tensorboard"), False never writes them (report_to="none")."""
         self.file = self.writer = self.bar = None
         if output_dir is None:  # a rank other than 0: write nothing
             return
         output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(output_dir / METRICS_FILE, "a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self.file = open_jsonl(output_dir / METRICS_FILE)
+        if tensorboard is not False:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-        except ImportError:  # tensorboard is an optional extra
-            self.writer = None
+                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:  # tensorboard is an optional extra
+                if tensorboard:
+                    raise InputError("report_to='tensorboard' needs the tensorboard package: "
+                                     "pip install tensorboard") from None
         if progress:
             from tqdm.auto import tqdm
 
@@ -177,6 +245,6 @@ class MetricSinks:
 def _tensorboard_tag(key: str) -> str:
     if key.startswith("eval_"):
         return f"eval/{key[5:]}"
-    if key.startswith("train_") or key in ("mfu", "throughput_steps"):
+    if key.startswith(("train_", "throughput_", "mfu")):
         return f"summary/{key}"
     return f"train/{key}"

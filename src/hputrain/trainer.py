@@ -7,11 +7,11 @@ throughput clock. The step reads nothing back to the host except at logging step
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,15 +19,16 @@ import torch
 
 from . import checkpoint, execution
 from .accelerators import detect_accelerator
-from .config import AcceleratorConfig, TrainingArguments
-from .data import MicroBatches, default_collate, model_input_names, to_device
+from .config import AcceleratorConfig, TrainingArguments, as_training_arguments, check_trainer_kwargs
+from .data import LABEL_NAMES, MicroBatches, default_collate, model_input_names, to_device
 from .distributed import ProcessGroup, select_strategy
 from .distributed.context_parallel import ContextParallel, NoContextParallel
 from .distributed.launch import needs_launch, relaunch_current_program
 from .errors import InputError
+from .loss import IGNORE_INDEX, TokenCount, batch_size
 from .optim import create_optimizer, create_scheduler
 from .precision import select_precision
-from .telemetry import MetricSinks, ThroughputClock
+from .telemetry import MetricSinks, ThroughputClock, job_peak_flops
 
 
 @dataclass
@@ -57,10 +58,12 @@ def loss_of(output) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, args: TrainingArguments | None = None,
+    def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
-                 accelerator_config: AcceleratorConfig | None = None, accelerator=None) -> None:
-        self.args = execution.adjust_args(args or TrainingArguments())
+                 accelerator_config: AcceleratorConfig | None = None, accelerator=None,
+                 **unsupported) -> None:
+        check_trainer_kwargs(unsupported)  # the Hugging Face Trainer's names: one line on what to use
+        self.args = execution.adjust_args(as_training_arguments(args))
         if needs_launch(self.args.devices, self.args.num_nodes):
             # Lightning's way: run this program again, one process per device, and end here.
             sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
@@ -76,11 +79,14 @@ class Trainer:
         self.device = self.accelerator.setup(self.group.local_rank)
         self.group.init(self.args.ddp_timeout)
         self.precision = select_precision(self.args, self.config, self.accelerator)
+        if self.precision.notice and self.group.is_main:  # bf16 asked for where it is emulated
+            print(f"hputrain: {self.precision.notice}", file=sys.stderr)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
         self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
         self.inputs = model_input_names(model)
+        self.count_tokens = TokenCount(model)
         self.context_parallel = self._context_parallel()
         self.strategy = select_strategy(self.args, self.group, self.accelerator)
         self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts weights
@@ -89,21 +95,37 @@ class Trainer:
         elif self.accelerator.execution_mode == "compile":
             self.wrapped = execution.compile_model(self.wrapped, self.args, self.accelerator)
         self.optimizer = self.scheduler = None
+        self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
+        self._step_tokens = 0  # counted tokens of the current step's global batch (see loss.py)
         self._graphed = None  # the captured inference module, built on first use
         self.global_step = 0
         self._stop_signal: int | None = None
 
     # -- the training loop ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
+        # One run per output_dir: rank 0 holds its lock for the run (the kernel drops it on any
+        # exit) and clears what a killed save left; the others resolve "latest" after that.
+        lock = checkpoint.lock_output_dir(self.args.output_dir) if self.group.is_main else None
+        try:
+            self.group.barrier()
+            with self._model_on_device():
+                return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self, resume_from_checkpoint: str | None) -> TrainOutput:
         args, accelerator = self.args, self.accelerator
         _seed_everything(args.seed)
         batches = self._train_batches()
         total_steps = self._total_steps(batches)
         self.optimizer = create_optimizer(self.model, args, self.config, accelerator)
         self.scheduler = create_scheduler(self.optimizer, args, total_steps)
-        state = self._resume(resume_from_checkpoint or args.resume_from_checkpoint)
-        start_step = self.global_step = state.get("global_step", 0)
+        state = self._resume(resume_from_checkpoint)
+        start_step = self.global_step = state.get("step", 0)
         sinks = self._sinks(total_steps, start_step)
+        for line in self._resume_differences(state, batches):
+            sinks.message(line)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
         watch = execution.step_watch(args, accelerator)  # graph compiles in lazy mode
         micro_batches = batches.iterate(start_step)
@@ -114,16 +136,20 @@ class Trainer:
         self.model.train()
         previous_handlers = self._catch_stop_signals()
         try:
-            while self.global_step < total_steps and self._stop_signal is None:
+            while self.global_step < total_steps:
+                step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
+                counts = [self.count_tokens(batch) for batch in step_batches]
+                if self._agree_to_stop(counts):
+                    break
                 watch.step_begin(self.global_step + 1)
-                samples = tokens = 0
-                for micro in range(accumulate):
-                    batch = self._on_device(next(micro_batches))
-                    samples, tokens = samples + _batch_size(batch), tokens + _token_count(batch)
+                samples = 0
+                for micro, (batch, count) in enumerate(zip(step_batches, counts)):
+                    batch = to_device(batch, self.device, args.non_blocking_data_copy)
+                    samples += batch_size(batch)
                     # Gradients are all-reduced only on the last micro-batch of the step.
                     with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
                         with self._forward_context():
-                            loss = self._loss(batch) / accumulate
+                            loss = self._micro_batch_loss(batch, count)
                         if args.pipelining_fwd_bwd:
                             accelerator.mark_step()  # run the forward graph while building backward
                         loss.backward()
@@ -140,8 +166,8 @@ class Trainer:
                 self.global_step += 1
                 watch.step_end(self.global_step, batch)
                 steps_since_log += 1
-                # samples are shared by a context-parallel group; tokens are split across it
-                clock.step_done(samples * self.group.dp_size, tokens * self.group.world_size)
+                # samples are shared by a context-parallel group; tokens are counted globally
+                clock.step_done(samples * self.group.dp_size, self._step_tokens)
                 sinks.advance()
 
                 if self.global_step % args.logging_steps == 0 or self.global_step == total_steps:
@@ -155,16 +181,17 @@ class Trainer:
                     clock.resume()
                 if args.save_steps > 0 and self.global_step % args.save_steps == 0:
                     clock.pause()
+                    self._check_finite(logged_loss, steps_since_log)  # never save diverged weights
                     self._save(batches)
                     clock.resume()
-            summary = self._finish(sinks, clock, batches, watch)
+            summary = self._finish(sinks, clock, batches, watch, logged_loss, steps_since_log)
         finally:
             self._restore_signal_handlers(previous_handlers)
             sinks.close()
         return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
 
     def _finish(self, sinks: MetricSinks, clock: ThroughputClock, batches: MicroBatches,
-                watch: execution.StepWatch) -> dict:
+                watch: execution.StepWatch, logged_loss: torch.Tensor, steps_since_log: int) -> dict:
         """After the last step (or a stop signal): evaluate and save unless the step just did,
         then write the summary record."""
         args, step = self.args, self.global_step
@@ -175,22 +202,64 @@ class Trainer:
         elif self.eval_dataset is not None and not (args.eval_steps and step % args.eval_steps == 0):
             self.evaluate(sinks=sinks)
         if saves and not (args.save_steps > 0 and step % args.save_steps == 0):
+            self._check_finite(logged_loss, steps_since_log)
             self._save(batches)
-        summary = {"step": step, **clock.summary(self._flops_per_token(), self._peak_flops()),
+        summary = {"step": step, **clock.summary(self._flops_per_token(), *self._peak_flops()),
                    **watch.summary()}
         sinks.write(summary)
         return summary
 
-    def _loss(self, batch, module=None) -> torch.Tensor:
+    def _loss(self, batch, module=None, **loss_kwargs) -> torch.Tensor:
         module = self.wrapped if module is None else module
         if self.compute_loss is not None:
             return self.compute_loss(module, batch)
-        return loss_of(self._forward(batch, module))
+        return loss_of(self._forward(batch, module, **loss_kwargs))
 
-    def _on_device(self, batch):
-        """The batch on this rank's device, cut to this rank's slice of the sequence under
-        context parallelism."""
-        return self.context_parallel.shard(to_device(batch, self.device, self.args.non_blocking_data_copy))
+    def _micro_batch_loss(self, batch, count: int) -> torch.Tensor:
+        """This micro-batch's part of the step's loss (see loss.py): its share of the mean over
+        the global batch's `_step_tokens` counted tokens, times the number of ranks, because the
+        strategy averages gradients over ranks where the loss wants their sum."""
+        total, ranks = max(self._step_tokens, 1), self.group.world_size
+        takes_count = (self.count_tokens.takes_item_count and self.compute_loss is None
+                       and isinstance(batch, dict) and "labels" in batch)
+        if takes_count:  # the model divides its summed loss by the global count itself
+            loss = self._loss(batch, num_items_in_batch=self._on_device_scalar(total, torch.int64))
+            return loss * ranks if ranks > 1 else loss  # a constant of the run: no new graph
+        # a mean over the micro-batch's own tokens, weighted by their share (changes every step)
+        return self._loss(batch) * self._on_device_scalar(count * ranks / total)
+
+    def _agree_to_stop(self, counts: list[int]) -> bool:
+        """Before each step, one small host all-reduce (no device sync) that every rank reaches:
+        the global batch's counted tokens, and whether any rank was asked to stop. A stop request
+        then ends the same step on every rank, which save one checkpoint together."""
+        signum = self._stop_signal
+        tokens, interrupts, terminates = self.group.host_sum(
+            [sum(counts), signum == signal.SIGINT, signum not in (None, signal.SIGINT)])
+        self._step_tokens = int(tokens)
+        if signum is None and (interrupts or terminates):  # a peer was signalled
+            self._stop_signal = signal.SIGTERM if terminates else signal.SIGINT
+        return self._stop_signal is not None
+
+    def _on_host(self, batch):
+        """This rank's slice of each sequence under context parallelism, still on the host, where
+        its tokens are counted before it is copied over. A Hugging Face collator's BatchEncoding
+        becomes a plain dict."""
+        return self.context_parallel.shard(dict(batch) if isinstance(batch, Mapping) else batch)
+
+    def _collate(self, samples: list):
+        """The collator on samples without the columns the model does not take (a text column
+        above all): the Hugging Face Trainer's remove_unused_columns."""
+        if self.inputs is not None and self.args.remove_unused_columns and isinstance(samples[0], Mapping):
+            keep = self.inputs | LABEL_NAMES
+            samples = [{k: v for k, v in sample.items() if k in keep} for sample in samples]
+        return self.collate(samples)
+
+    def _on_device_scalar(self, value: float, dtype=torch.float32) -> torch.Tensor:
+        """A number the step uses, made on the host and copied over: in lazy mode it is graph
+        input data, so a value that changes every step compiles nothing new. Copied as one
+        element and viewed as a scalar: the CPU lazy backend looks 0-d inputs up by value, and
+        one that happened to equal another scalar of the graph would change its hash."""
+        return torch.tensor([value], dtype=dtype).to(self.device).view(())
 
     @contextlib.contextmanager
     def _forward_context(self):
@@ -213,13 +282,14 @@ class Trainer:
         `zero_()` would be one more op in the next step's graph."""
         return torch.zeros(()).to(self.device)
 
-    def _forward(self, batch, module=None):
+    def _forward(self, batch, module=None, **loss_kwargs):
         """Call the model (or `module`) on a batch: a dict by keyword (only the keys its forward
-        accepts)."""
+        accepts), with `loss_kwargs` (num_items_in_batch) for a model that takes them."""
         module = self.wrapped if module is None else module
         if isinstance(batch, dict):
             inputs = self.inputs
-            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs})
+            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
+                          **loss_kwargs)
         if isinstance(batch, (list, tuple)):
             return module(*batch)
         return module(batch)
@@ -237,11 +307,12 @@ class Trainer:
     def _log(self, sinks, clock, batches, logged_loss, steps, grad_norm) -> float:
         """One logging record; the host reads the loss and grad norm back only here. Nothing here
         adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
-        loss = self.group.all_reduce_mean(logged_loss, self.accelerator)
+        loss = self.group.all_reduce_mean(logged_loss, self.accelerator).item() / steps
+        self._stop_if_diverged(loss, steps)
         record = {
             "step": self.global_step,
             "epoch": round(batches.epoch_of(self.global_step), 4),
-            "loss": loss.item() / steps,
+            "loss": loss,
             "learning_rate": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm.item() if grad_norm is not None else None,
             "tokens_per_second": clock.interval_rate(),
@@ -250,6 +321,21 @@ class Trainer:
         sinks.write(record)  # a no-op except on global rank 0
         return record["loss"]
 
+    def _check_finite(self, logged_loss: torch.Tensor, steps: int) -> None:
+        """Before a save: the loss summed since the last log, agreed by every rank, is finite."""
+        if steps:
+            self._stop_if_diverged(self.group.host_sum([logged_loss.item()])[0], steps)
+
+    def _stop_if_diverged(self, loss: float, steps: int) -> None:
+        """A loss that is no longer finite ends training at once, saving nothing new (the last
+        checkpoint holds the last finite weights)."""
+        if not math.isfinite(loss):
+            first = self.global_step - steps + 1
+            where = f"at step {first}" if steps == 1 else f"between steps {first} and {self.global_step}"
+            raise InputError(f"the training loss became {loss} {where} (learning_rate "
+                             f"{self.args.learning_rate:g}): stopped without saving; lower the "
+                             "learning rate or resume from the last checkpoint")
+
     # -- evaluation and prediction -------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, sinks: MetricSinks | None = None) -> dict:
@@ -257,21 +343,23 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise InputError("evaluate() needs an eval_dataset")
-        was_training = self.model.training
-        self.model.eval()
-        module = self._inference_module()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
-        for batch in self._eval_batches(dataset):
-            batch = self._on_device(batch)
-            with self._forward_context():
-                loss = self._loss(batch, module)
-            size = _batch_size(batch)
-            total += torch.stack([loss.detach().double() * size, torch.tensor(size, device=self.device).double()])
-            self.accelerator.mark_step()
-        self.group.all_reduce_sum(total)
-        loss_sum, count = total.tolist()
-        self.model.train(was_training)
-        eval_loss = loss_sum / max(count, 1)
+        with self._model_on_device(), self._eval_mode():
+            module = self._inference_module()
+            total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, tokens)
+            for batch in self._eval_batches(dataset):
+                batch = self._on_host(batch)
+                count = self._on_device_scalar(self.count_tokens(batch), torch.float64)
+                batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
+                with self._forward_context():
+                    loss = self._loss(batch, module)  # the mean over its counted tokens
+                total += torch.stack([loss.detach().double() * count, count])
+                self.accelerator.mark_step()
+            self.group.all_reduce_sum(total)
+            loss_sum, count = total.tolist()
+        if count == 0:
+            raise InputError("the evaluation set gave no batch with a counted token: evaluate on "
+                             "at least one sample (with labels other than -100)")
+        eval_loss = loss_sum / count
         metrics = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
         if sinks is not None:
             sinks.write({"step": self.global_step, **metrics})
@@ -279,71 +367,104 @@ class Trainer:
 
     @torch.no_grad()
     def predict(self, test_dataset) -> PredictionOutput:
-        """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist."""
+        """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist.
+        Batches of different lengths are padded with -100 into one tensor, as the Hugging Face
+        Trainer pads them; the loss is weighted by counted tokens, as in evaluate()."""
+        predictions, labels, loss_sum, tokens = [], [], 0.0, 0
+        with self._model_on_device(), self._eval_mode():
+            module = self._inference_module()
+            for batch in self._eval_batches(test_dataset):
+                batch = self._on_host(batch)
+                count = self.count_tokens(batch)
+                batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
+                with self._forward_context():
+                    output = self._forward(batch, module)
+                logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
+                predictions.append(logits.float().cpu())
+                if isinstance(batch, dict) and "labels" in batch:
+                    labels.append(batch["labels"].cpu())
+                    if (loss := _maybe_loss(output)) is not None:
+                        loss_sum, tokens = loss_sum + float(loss) * count, tokens + count
+                self.accelerator.mark_step()
+        metrics = {"test_loss": loss_sum / tokens} if tokens else {}
+        return PredictionOutput(pad_and_concat(predictions), pad_and_concat(labels) if labels else None,
+                                metrics)
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """The model in eval mode for the duration, then back in the mode it was in."""
+        was_training = self.model.training
         self.model.eval()
-        module = self._inference_module()
-        predictions, labels, losses = [], [], []
-        for batch in self._eval_batches(test_dataset):
-            batch = self._on_device(batch)
-            with self._forward_context():
-                output = self._forward(batch, module)
-            logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
-            predictions.append(logits.float().cpu())
-            if isinstance(batch, dict) and "labels" in batch:
-                labels.append(batch["labels"].cpu())
-                if (loss := _maybe_loss(output)) is not None:
-                    losses.append(float(loss))
-            self.accelerator.mark_step()
-        metrics = {"test_loss": sum(losses) / len(losses)} if losses else {}
-        return PredictionOutput(_concat(predictions), _concat(labels) if labels else None, metrics)
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def _model_on_device(self):
+        """The model on this rank's device for the duration of train(), evaluate() or predict();
+        afterwards handed back on the host where the accelerator says its tensors are no use to
+        host code (lazy mode on the CPU), tied weights kept tied. Only the outermost call moves it
+        (train() evaluates inside)."""
+        host = self.accelerator.host_device_after_training()
+        outermost = self._device_users == 0
+        if host is not None and outermost:
+            execution.move_to_device(self.model, self.device)  # a no-op right after __init__
+        self._device_users += 1
+        try:
+            yield
+        finally:
+            self._device_users -= 1
+            if host is not None and outermost:
+                self.accelerator.mark_step()  # run what is pending before the weights move
+                execution.move_to_device(self.model, host)
 
     # -- pieces of set-up ----------------------------------------------------------------------
     def _train_batches(self) -> MicroBatches:
         if self.train_dataset is None:
             raise InputError("train() needs a train_dataset")
-        return MicroBatches(self.train_dataset, self.collate, self.args.per_device_train_batch_size,
+        return MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
                             self.args.gradient_accumulation_steps, self.group.dp_rank,
                             self.group.dp_size, self.args.seed)
 
     def _eval_batches(self, dataset):
-        return MicroBatches(dataset, self.collate, self.args.per_device_eval_batch_size, 1,
+        return MicroBatches(dataset, self._collate, self.args.per_device_eval_batch_size, 1,
                             self.group.dp_rank, self.group.dp_size, self.args.seed,
                             shuffle=False, drop_last=False).iterate(0, epochs=1)
 
     def _total_steps(self, batches: MicroBatches) -> int:
+        if batches.steps_per_epoch == 0:
+            raise InputError(f"the training set ({batches.num_samples} samples) is smaller than "
+                             f"one global batch ({batches.global_batch_size} samples): lower "
+                             "per_device_train_batch_size or gradient_accumulation_steps")
         if self.args.max_steps > 0:
             return self.args.max_steps
         if batches.steps_per_epoch is None:
             raise InputError("an iterable train_dataset has no length: set max_steps")
-        if batches.steps_per_epoch == 0:
-            raise InputError(f"the training set ({batches.num_samples} samples) is smaller than "
-                             f"one global batch ({batches.global_batch_size} samples)")
         return math.ceil(self.args.num_train_epochs * batches.steps_per_epoch)
 
     def _sinks(self, total_steps: int, start_step: int) -> MetricSinks:
         if not self.group.is_main:
             return MetricSinks(None)
-        return MetricSinks(self.args.output_dir, total_steps, start_step,
-                           progress=not self.args.disable_tqdm)
+        report_to = self.args.report_to  # None: TensorBoard when installed
+        return MetricSinks(self.args.output_dir, total_steps, start_step, progress=not self.args.disable_tqdm,
+                           tensorboard=None if report_to is None else "tensorboard" in report_to)
 
     def _flops_per_token(self) -> float:
         if hasattr(self.model, "flops_per_token"):
             return self.model.flops_per_token()
         return 6 * sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
-    def _peak_flops(self) -> float | None:
-        peak = self.accelerator.peak_flops(self.precision.compute_dtype)
-        return peak * self.group.world_size if peak else None
+    def _peak_flops(self) -> tuple[float | None, float | None]:
+        """(published, measured) peak FLOP/s of the job for the precision's compute dtype."""
+        return job_peak_flops(self.accelerator, self.precision.compute_dtype, self.group.world_size)
 
     # -- checkpoints and signals ---------------------------------------------------------------
     def _state(self, batches: MicroBatches) -> dict:
         state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
                  "world_size": self.group.world_size, "seed": self.args.seed,
                  "global_batch_size": batches.global_batch_size}
-        config = getattr(self.model, "config", None)
-        if dataclasses.is_dataclass(config):  # the built-in GPT's shape, for `hputrain generate`
-            state["model_config"] = dataclasses.asdict(config)
-        return state
+        return state  # the model's own configuration is its config.json (checkpoint.py)
 
     def _save(self, batches: MicroBatches):
         return checkpoint.save_checkpoint(
@@ -363,6 +484,20 @@ class Trainer:
                                            rank=self.group.rank)
         self.accelerator.mark_step()
         return state
+
+    def _resume_differences(self, state: dict, batches: MicroBatches) -> list[str]:
+        """One line for each setting a resumed run changes, saying which value wins."""
+        lines = []
+        saved_batch = state.get("global_batch_size")
+        if saved_batch is not None and saved_batch != batches.global_batch_size:
+            lines.append(f"resuming with a global batch of {batches.global_batch_size} samples where the "
+                         f"checkpoint's run had {saved_batch}: {batches.global_batch_size} wins, so "
+                         "the steps from here see other samples than the original run would have")
+        saved_lr = self.scheduler.base_lrs[0] if state else None
+        if saved_lr is not None and not math.isclose(saved_lr, self.args.learning_rate, rel_tol=1e-9):
+            lines.append(f"resuming with learning_rate {self.args.learning_rate:g} where the checkpoint's "
+                         f"run had {saved_lr:g}: the checkpoint's wins (its schedule continues)")
+        return lines
 
     def _catch_stop_signals(self) -> dict:
         """SIGINT and SIGTERM end the current step, save a checkpoint and return from train()."""
@@ -394,19 +529,6 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _batch_size(batch) -> int:
-    first = next(iter(batch.values())) if isinstance(batch, dict) else (
-        batch[0] if isinstance(batch, (list, tuple)) else batch)
-    return int(first.shape[0])
-
-
-def _token_count(batch) -> int:
-    """Tokens in a batch: the size of input_ids when there is one, else one per sample."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return batch["input_ids"].numel()
-    return _batch_size(batch)
-
-
 def _maybe_loss(output):
     try:
         return loss_of(output)
@@ -414,7 +536,19 @@ def _maybe_loss(output):
         return None
 
 
-def _concat(tensors: list):
-    if tensors and all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
-        return torch.cat(tensors)
-    return tensors
+def pad_and_concat(tensors: list[torch.Tensor], pad: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-batch tensors as one, each padded with `pad` to the largest size in every dimension
+    after the first (ragged sequence lengths across batches)."""
+    if any(t.dim() != tensors[0].dim() for t in tensors):
+        raise InputError(f"predict() got outputs of different ranks: {sorted({t.dim() for t in tensors})}")
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for tensor in tensors:
+        if list(tensor.shape[1:]) != shape:
+            out = tensor.new_full((tensor.shape[0], *shape), pad)
+            out[tuple(slice(0, size) for size in tensor.shape)] = tensor
+            tensor = out
+        padded.append(tensor)
+    return torch.cat(padded)

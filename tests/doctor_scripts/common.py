@@ -27,7 +27,8 @@ def data(problem, n=64):
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(n):
-        length = 16 + (i % 5) * 8 if problem == "ragged" else 32  # ragged: a new shape per batch
+        # ragged: rows of 8 to 63 tokens padded to the batch's longest, a new length almost every batch
+        length = int(torch.randint(8, 64, (), generator=g)) if problem == "ragged" else 32
         ids = torch.randint(0, 256, (length + 1,), generator=g)
         rows.append({"input_ids": ids[:-1], "labels": ids[1:]})
     return rows
@@ -37,7 +38,15 @@ def main(problem):
     torch.manual_seed(0)
     args = TrainingArguments(output_dir="doctor-should-not-write-here", max_steps=50, logging_steps=2,
                              per_device_train_batch_size=4, learning_rate=1e-3, save_steps=5)
-    Trainer(Model(problem), args, train_dataset=data(problem), eval_dataset=data("clean", 8)).train()
+    trainer = Trainer(Model(problem), args, train_dataset=data(problem), eval_dataset=data("clean", 8))
+    if problem != "swallow":
+        trainer.train()
+        return
+    try:  # swallow: a script that carries on after any failure
+        trainer.train()
+    except Exception:
+        print("training failed; carrying on", file=sys.stderr)
+    print("the script kept running after the doctor's last step", file=sys.stderr)
 
 
 if __name__ == "__main__":

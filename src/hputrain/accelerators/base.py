@@ -57,6 +57,11 @@ class Accelerator(ABC):
     def setup(self, local_rank: int = 0) -> torch.device:
         """Prepare this process to use device `local_rank` and return it."""
 
+    def host_device_after_training(self) -> torch.device | None:
+        """Where the trainer hands the model back after train(), evaluate() and predict(): None
+        (it stays on the device) unless the device's tensors are no use to host code."""
+        return None
+
     @abstractmethod
     def dist_backend(self) -> str:
         """torch.distributed backend for this device."""
@@ -83,8 +88,27 @@ class Accelerator(ABC):
         """Whether bfloat16 autocast runs here."""
         return True
 
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 runs natively (not emulated) here: what precision="auto" picks bf16
+        by. Unknown counts as not native."""
+        return False
+
+    def bf16_facts(self) -> dict:
+        """What decided `native_bf16`, for `hputrain env` and the benchmarks' records."""
+        return {"native_bf16": self.native_bf16()}
+
+    def bf16_shortfall(self) -> str | None:
+        """Where bf16 is known to be slow here, one phrase saying so and by how much; None
+        otherwise (no warning without a device fact or a measurement)."""
+        return None
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense peak FLOP/s of one device for `dtype`, or None when not known."""
+        return None
+
+    def measured_peak_flops(self, dtype: torch.dtype) -> float | None:
+        """`dtype` matrix products' FLOP/s as measured on this device, where no published peak
+        exists (the CPU's probe); None elsewhere."""
         return None
 
     # -- fp8 -----------------------------------------------------------------------------------

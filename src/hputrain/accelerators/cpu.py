@@ -1,11 +1,20 @@
 """The CPU: always present. In lazy mode it runs on PyTorch's own lazy tensor backend
-(torch._lazy with the TorchScript backend), a dry run of a Gaudi lazy-mode run."""
+(torch._lazy with the TorchScript backend), a dry run of a Gaudi lazy-mode run.
+
+Whether the CPU runs bfloat16 natively is told by its flags and confirmed by a probe that times a
+few matrix products per dtype (once per process): without AVX512-BF16 or AMX (x86), or the BF16
+extension (Arm), torch emulates bf16 and a matrix product can run ~100x slower than in float32.
+The same probe gives the measured peak that the CPU's MFU is reported against.
+"""
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +71,109 @@ def _start_lazy_backend() -> None:
         _lazy_backend_started = True
 
 
+# CPU flags (/proc/cpuinfo) of hardware bfloat16 dot products: x86, then Arm.
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "svebf16")
+# Shown beside them: the vector units the CPU has otherwise.
+_VECTOR_FLAGS = ("avx2", "avx512f", "amx_tile", "asimd", "sve", "sve2")
+# bf16 counts as native only where its measured matmul rate is at least this share of fp32's:
+# emulated bf16 measures about 1/100 of it, native 1 to 10 times it; the margin absorbs the noise
+# of a loaded machine.
+_NATIVE_SHARE = 0.25
+_PROBE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The first CPU's flags ("flags" on x86, "Features" on Arm), or None where /proc/cpuinfo
+    does not list them (macOS, Windows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def _operands(dtype: torch.dtype, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)  # the global RNG (training's) is left alone
+    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+    torch.mm(a, b)  # untimed: first-call set-up
+    return a, b
+
+
+def _seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter_ns()
+    torch.mm(a, b)
+    return max(time.perf_counter_ns() - start, 1) / 1e9
+
+
+@functools.cache
+def measured_matmul_flops(threads: int, sizes=(256, 512), rounds: int = 5) -> dict:
+    """dtype -> the best FLOP/s of square torch.mm on this CPU with `threads` threads (the cache
+    key: a process measures once per thread count, in well under a second). The dtypes take turns,
+    so that a burst of load on a shared machine hits both; a dtype whose product took over 20 ms
+    (emulated bf16) is not tried at the next size."""
+    rates = dict.fromkeys(_PROBE_DTYPES, 0.0)
+    growing = list(_PROBE_DTYPES)
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        for size in sizes:
+            operands = {dtype: _operands(dtype, size) for dtype in growing}
+            best = dict.fromkeys(operands, float("inf"))
+            for _ in range(rounds):
+                for dtype, (a, b) in operands.items():
+                    best[dtype] = min(best[dtype], _seconds(a, b))
+            for dtype, seconds in best.items():
+                rates[dtype] = max(rates[dtype], 2 * size**3 / seconds)
+            growing = [dtype for dtype in growing if best[dtype] <= 0.02]
+    return rates
+
+
+@dataclass(frozen=True)
+class BF16Support:
+    """What decides whether this CPU runs bfloat16 natively."""
+
+    flags: frozenset[str] | None
+    """The CPU's flags; None where the system does not list them (then the probe alone decides)."""
+    flops: dict
+    """Measured matmul FLOP/s per dtype (float32, bfloat16)."""
+
+    @property
+    def bf16_flags(self) -> list[str]:
+        return [f for f in _BF16_FLAGS if self.flags and f in self.flags]
+
+    @property
+    def shown_flags(self) -> list[str] | None:
+        """The bf16 and vector flags present (None: not readable)."""
+        if self.flags is None:
+            return None
+        return [f for f in _BF16_FLAGS + _VECTOR_FLAGS if f in self.flags]
+
+    @property
+    def slowdown(self) -> float:
+        """How many times longer a bf16 matrix product takes than a float32 one."""
+        return self.flops[torch.float32] / self.flops[torch.bfloat16]
+
+    @property
+    def native(self) -> bool:
+        fast = self.flops[torch.bfloat16] >= _NATIVE_SHARE * self.flops[torch.float32]
+        return fast and (self.flags is None or bool(self.bf16_flags))
+
+    def why_not(self) -> str:
+        """Why bf16 is not native here, in a few words."""
+        if self.flags is None:
+            return "measured; the CPU's flags are not readable here"
+        if self.bf16_flags:
+            return f"although the CPU reports {', '.join(self.bf16_flags)}"
+        arm = platform.machine().lower() in ("aarch64", "arm64")
+        return "no BF16 extension" if arm else "no AVX512-BF16/AMX"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
 def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -96,6 +208,11 @@ class CPUAccelerator(Accelerator):
         _keep_freed_memory()
         return torch.device("cpu")
 
+    def host_device_after_training(self) -> torch.device | None:
+        # Lazy tensors of the TorchScript backend cannot be saved, printed or read by host code
+        # (save_pretrained, a sampling loop): hand the model back on the CPU.
+        return torch.device("cpu") if self.lazy else None
+
     def dist_backend(self) -> str:
         return "gloo"
 
@@ -119,6 +236,34 @@ class CPUAccelerator(Accelerator):
             "max_memory_allocated_gb": peak / GB,
             "total_memory_available_gb": _ram_bytes() / GB,
         }
+
+    def bf16_support(self) -> BF16Support:
+        """The CPU's flags and the probe's rates (measured once per process and thread count)."""
+        return BF16Support(_cpu_flags(), measured_matmul_flops(torch.get_num_threads()))
+
+    def native_bf16(self) -> bool:
+        return self.bf16_support().native
+
+    def bf16_facts(self) -> dict:
+        support = self.bf16_support()
+        return {"native_bf16": support.native, "cpu_flags": support.shown_flags,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "matmul_gflops": {str(dtype).removeprefix("torch."): round(rate / 1e9, 1)
+                                  for dtype, rate in support.flops.items()}}
+
+    def bf16_shortfall(self) -> str | None:
+        support = self.bf16_support()
+        if support.native:
+            return None
+        ratio = support.slowdown
+        speed = (f"runs {_times(ratio)} slower than fp32" if ratio >= 1
+                 else f"is emulated ({_times(1 / ratio)} fp32's matmul rate)")
+        return f"bf16 on this CPU {speed} ({support.why_not()})"
+
+    def measured_peak_flops(self, dtype: torch.dtype) -> float | None:
+        if self.lazy:  # the lazy backend is a dry run of Gaudi's: its speed is not the point
+            return None
+        return measured_matmul_flops(torch.get_num_threads()).get(dtype)
 
     def supports_fp8(self) -> bool:
         # torch._scaled_mm has a CPU kernel in recent builds; ask it rather than a version number.

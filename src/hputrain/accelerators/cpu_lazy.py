@@ -2,15 +2,27 @@
 
 The backend is a faithful dry run of a lazy-mode step (ops deferred into a graph, compiled once
 per shape, run at mark_step), but it has gaps that Gaudi has not. Left alone, they would show up
-as eager fallbacks in every script, or break it; this module routes around each, so that what
-`hputrain doctor` reports is the user's, not the backend's:
+as eager fallbacks in every script, or break it; this module routes around each where that is
+simple, so that what `hputrain doctor` reports is the user's, not the backend's:
 
 - unbind, split and chunk hand back tensors the backend has lost track of (the next op sees a
   plain CPU tensor); select and narrow give the same views and work.
 - scaled_dot_product_attention has no kernel; composed of matmul, mask and softmax it stays in
-  the graph.
+  the graph (the mask inverted by `eq`, since logical_not falls back).
+- indexing by integer tensors (`mask[batch_idx, kv_idx]`, as transformers builds its attention
+  masks) falls back; it is done here as an embedding lookup. Boolean indexing still falls back, as it
+  does on Gaudi (its result's shape depends on the data).
 - AdamW's lerp and clip_grad_norm_'s vector norm fall back to eager ops; both are written here in
   the backend's own ops (Gaudi has FusedAdamW and FusedClipNorm for the same work).
+- a 0-dim zeros (torch.zeros, zeros_like, new_zeros) is the backend's uninitialised `empty`
+  zeroed in the graph, and that empty enters the graph as a scalar input looked up by its value
+  in the backend's data cache: whether its garbage equals another scalar of the graph decides
+  whether the two share one input, and so the graph's hash. Left alone, a step that zeroes a
+  scalar compiles again from time to time (it changed with PYTHONHASHSEED); the zero is made on
+  the host and copied over instead, a fixed value as the trainer's own scalars are.
+
+The gaps not routed around are listed in BACKEND_FALLBACKS; the doctor leaves them out of its
+findings and says so.
 """
 from __future__ import annotations
 
@@ -19,8 +31,20 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
+# The backend's own fallbacks that Gaudi has not, by the name of their lazy counter (`aten::NAME`),
+# with where they come from. Each is checked by a single-op test, which fails once torch fills
+# the gap, so that the entry can go.
+BACKEND_FALLBACKS = {
+    "sin": "torch.sin has no lazy kernel (cos has one): every RoPE model computes both",
+    "where.self": "torch.where has no lazy kernel",
+    "logical_not.out": "logical_not has no lazy kernel",
+    "bitwise_not": "`~tensor` has no lazy kernel",
+}
+
+
 class LazyBackendGaps(TorchFunctionMode):
-    """Entered around the forward pass: replaces the view ops and attention described above."""
+    """Entered around the forward pass: replaces the view ops, attention, indexing and scalar
+    zeros described above."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,7 +83,7 @@ def _composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
         future = torch.ones(length, source, dtype=torch.bool, device=q.device).triu(source - length + 1)
         scores = scores.masked_fill(future, float("-inf"))
     if attn_mask is not None:
-        scores = (scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        scores = (scores.masked_fill(attn_mask.eq(False), float("-inf"))
                   if attn_mask.dtype == torch.bool else scores + attn_mask)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
@@ -67,11 +91,45 @@ def _composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
     return probs @ v
 
 
+def _getitem(tensor, index):
+    """`tensor[i, j, ...]` with integer tensors i, j, ... (broadcast against each other) as one
+    row lookup in the indexed dimensions flattened; any other index as before."""
+    indices = index if isinstance(index, tuple) else (index,)
+    integer = (torch.int8, torch.int16, torch.int32, torch.int64)  # uint8 and bool index as masks
+    if len(indices) > tensor.dim() or not all(isinstance(i, torch.Tensor) and i.dtype in integer
+                                              for i in indices):
+        return torch.Tensor.__getitem__(tensor, index)
+    sizes = tensor.shape[:len(indices)]
+    linear = None  # not a torch.zeros(()) start: see _host_zero
+    for i, size in zip(indices, sizes):
+        i = i.to(tensor.device).remainder(size)  # negative: from the end
+        linear = i if linear is None else linear * size + i
+    rest = tensor.shape[len(indices):]
+    # an embedding lookup, whose backward the backend has (index_select's, index_add, it has not)
+    rows = F.embedding(linear.reshape(-1), tensor.reshape(sizes.numel(), -1))
+    return rows.reshape(*linear.shape, *rest)
+
+
+def _host_zero(func):
+    """`func` (a zeros factory) whose 0-dim result on the lazy device is a zero copied from the
+    host rather than the backend's zeroed garbage (see the module's docstring)."""
+    def zeros(*args, **kwargs):
+        result = func(*args, **kwargs)
+        if result.dim() or result.device.type != "lazy" or "out" in kwargs:
+            return result
+        zero = torch.zeros((), dtype=result.dtype).to(result.device)
+        return zero.requires_grad_() if result.requires_grad else zero
+    return zeros
+
+
 _REPLACEMENTS = {
+    torch.zeros: _host_zero(torch.zeros), torch.zeros_like: _host_zero(torch.zeros_like),
+    torch.Tensor.new_zeros: _host_zero(torch.Tensor.new_zeros),
     torch.unbind: _unbind, torch.Tensor.unbind: _unbind,
     torch.split: _split, torch.Tensor.split: _split,
     torch.chunk: _chunk, torch.Tensor.chunk: _chunk,
     F.scaled_dot_product_attention: _composed_attention,
+    torch.Tensor.__getitem__: _getitem,
 }
 
 
@@ -124,23 +182,24 @@ _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tens
 
 
 class HostReads(TorchFunctionMode):
-    """Counts reads of lazy tensors back to the host while `in_step` is set, by where they happen
-    (`locate()` names the place)."""
+    """Counts reads of lazy tensors back to the host while `in_step` is set, by where they happen:
+    `locate(name)` is called inside the read (name: the method, e.g. "item") and its answer, any
+    hashable value, is the key of `where`."""
 
     def __init__(self, locate) -> None:
         super().__init__()
         self.locate = locate
         self.in_step = False
         self.count = 0
-        self.where: dict[str, int] = {}
+        self.where: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reads = func in _READS or (func is torch.Tensor.to and _to_host(args, kwargs))
         if self.in_step and reads and any(_is_lazy(a) for a in args):
             self.count += 1
-            name = f"{getattr(func, '__name__', func)} at {self.locate()}"
-            self.where[name] = self.where.get(name, 0) + 1
+            place = self.locate(getattr(func, "__name__", str(func)))
+            self.where[place] = self.where.get(place, 0) + 1
         return func(*args, **kwargs)
 
 

@@ -52,6 +52,20 @@ class CUDAAccelerator(Accelerator):
     def supports_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()
 
+    def native_bf16(self) -> bool:
+        return torch.cuda.is_bf16_supported(including_emulation=False)  # Ampere (8.0) and later
+
+    def bf16_facts(self) -> dict:
+        major, minor = torch.cuda.get_device_capability()
+        return {"native_bf16": self.native_bf16(), "compute_capability": f"{major}.{minor}"}
+
+    def bf16_shortfall(self) -> str | None:
+        if self.native_bf16():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        return (f"bf16 on {self.device_name()} is emulated (compute capability {major}.{minor}; "
+                "native from 8.0)")
+
     def supports_fp8(self) -> bool:
         return torch.cuda.get_device_capability() >= (8, 9)  # Ada and Hopper have fp8 tensor cores
 

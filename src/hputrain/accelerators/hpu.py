@@ -130,6 +130,9 @@ class HPUAccelerator(Accelerator):
             "total_memory_available_gb": stats["Limit"] / GB,
         }
 
+    def native_bf16(self) -> bool:
+        return True  # every Gaudi's matrix engines compute in bf16
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         if dtype != torch.bfloat16:
             return None

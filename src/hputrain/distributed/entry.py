@@ -1,24 +1,94 @@
 """What `hputrain launch` runs in each process: the user's script (or `-m module`), under
-torchelastic's error recording, so that a rank that raises is reported by the launcher with its
-rank and its exception, not only an exit code."""
+torchelastic's error recording, so that a rank that fails is reported by the launcher with its
+rank and its error, not only an exit code: the exception it raised, or, when it exits with a
+non-zero status instead (`hputrain train` prints one line and exits 2), the last line it wrote to
+stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL."""
 from __future__ import annotations
 
+import json
+import os
 import runpy
+import signal
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from .launch import LAUNCHER_PID
 
 
 @record
 def main() -> None:
-    argv = sys.argv[1:]
+    _die_with_launcher()
+    stderr = sys.stderr = _LastLine(sys.stderr)
+    try:
+        _run(sys.argv[1:])
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            _record_exit(exit_.code if isinstance(exit_.code, str) else stderr.last)
+        raise
+
+
+def _run(argv: list[str]) -> None:
     if argv[:1] == ["-m"]:
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv
-        sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(argv[0])))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when its parent, the launcher's agent, exits (kill -9
+    included), so that no orphan trains on and writes checkpoints. The checkpoint protocol makes a
+    SIGKILL at any point safe. Linux only; elsewhere the launcher's own shutdown is all there is."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is not None and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before prctl took effect
+
+
+def _record_exit(line: str) -> None:
+    """Write the error file torch's agent reads for this rank (torchelastic's format), with `line`
+    as the message."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = {"message": line or "exited with no message on stderr",
+               "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}
+    with open(path, "w") as f:
+        json.dump({"message": message}, f)
+
+
+class _LastLine:
+    """sys.stderr as it was, remembering the last non-blank line written through it."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._line = ""
+        self._tail = ""  # what follows the last newline
+
+    def write(self, text: str) -> int:
+        lines = (self._tail + text).replace("\r", "\n").split("\n")
+        self._tail = lines[-1][-2000:]
+        done = [line.strip() for line in lines[:-1] if line.strip()]
+        if done:
+            self._line = done[-1]
+        return self._stream.write(text)
+
+    @property
+    def last(self) -> str:
+        return (self._tail.strip() or self._line)[:300]
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ class ProcessGroup:
     restarts: int = 0  # how often torchrun has restarted the job (TORCHELASTIC_RESTART_COUNT)
     cp_size: int = 1  # context-parallel group size: the mesh is data-parallel × context-parallel
     cp_group: object = None  # this rank's context-parallel process group, once initialised
+    host_group: object = None  # Gloo over all ranks, for small host values (see host_sum)
 
     @classmethod
     def from_env(cls, backend: str | Callable[[], str]) -> "ProcessGroup":
@@ -37,6 +38,8 @@ class ProcessGroup:
             raise InputError(f"bad distributed environment variable: {exc}") from None
         if not 0 <= rank < world:
             raise InputError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        if world > 1:
+            _check_rendezvous_env(world)
         return cls(rank, local_rank, world, backend, restarts)
 
     @property
@@ -76,6 +79,10 @@ class ProcessGroup:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 store=self._attempt_store(timeout))
+        # Host values (a step's token count, a stop request) meet on Gloo whatever the device's
+        # backend: no device sync, and a collective every rank reaches at the same point.
+        gloo = dist.Backend.GLOO
+        self.host_group = dist.new_group(backend=gloo) if backend != gloo else dist.group.WORLD
         if self.cp_size > 1:
             for first in range(0, self.world_size, self.cp_size):  # every rank makes every group
                 group = dist.new_group(list(range(first, first + self.cp_size)))
@@ -102,6 +109,27 @@ class ProcessGroup:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def host_sum(self, values: list[float]) -> list[float]:
+        """Each of `values` summed over all ranks, on the host (one small Gloo all-reduce)."""
+        if not self.distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.host_group)
+        return tensor.tolist()
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def _check_rendezvous_env(world: int) -> None:
+    """A process of a multi-process run finds the others through MASTER_ADDR and MASTER_PORT
+    (torchrun and `hputrain launch` set both): one line when they are missing or not a port."""
+    from .launch import check_port
+
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise InputError(f"WORLD_SIZE={world} is set, but {' and '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not: start the processes with "
+                         f"`hputrain launch`, or set MASTER_ADDR and MASTER_PORT on every node")
+    check_port(os.environ["MASTER_PORT"], "MASTER_PORT")

@@ -2,17 +2,28 @@
 `devices=N` / `num_nodes=M` (Lightning's way: set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
 NODE_RANK on every node and run the same command).
 
-Single-node runs bind the rendezvous to 127.0.0.1, not to every interface.
+Single-node runs bind the rendezvous to 127.0.0.1, not to every interface. SIGTERM or SIGINT to
+the launcher is passed on to every worker, which saves and exits; the launcher then exits
+128 + the signal (143, 130), as it does when a rank is stopped by a signal itself: a requested
+stop, never restarted. The workers die with the launcher, even under kill -9 (see entry.py).
+torch's elastic agent logs only when LOGLEVEL asks it to.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
 import sys
+import threading
 
 from ..errors import InputError
 
 LOOPBACK = "127.0.0.1"
+LAUNCHER_PID = "HPUTRAIN_LAUNCHER_PID"  # entry.py: the process a worker must die with
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torch's agent catches these
 
 
 def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
@@ -20,24 +31,21 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
            cpu: bool = False) -> int:
     """Run `target` ([SCRIPT, ARGS...] or ["-m", MODULE, ARGS...]) in nproc_per_node processes on
     this node, one of `nnodes`, under torch's elastic agent (what torchrun runs). Returns the exit
-    status; a failure prints one line per failed rank, with its error."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    status: 0, 128 + the signal that stopped the run, or 1 after a failure (one line per failed
+    rank, with its error)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.launcher.api import LaunchConfig
 
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise InputError(f"bad launch shape: {nproc_per_node} processes per node, {nnodes} nodes, "
                          f"node rank {node_rank}, {max_restarts} restarts")
+    master_addr, master_port, local_store = _rendezvous_endpoint(nnodes, node_rank, master_addr, master_port)
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK"):
         os.environ.pop(key, None)  # the agent sets these for each process
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     if cpu:
         os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
-    local_store = None
-    if nnodes == 1:
-        master_addr = LOOPBACK
-        master_port, local_store = _loopback_store()  # keep it alive while the agent runs
-    elif master_addr is None or master_port is None:
-        raise InputError("a multi-node launch needs --master-addr and --master-port "
-                         "(or MASTER_ADDR and MASTER_PORT) on every node")
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
         run_id=f"hputrain-{master_addr}-{master_port}", rdzv_backend="static",
@@ -45,42 +53,219 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
         max_restarts=max_restarts, monitor_interval=0.5,
         local_addr=LOOPBACK if nnodes == 1 else None)
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "hputrain.distributed.entry", *target)
-    except ChildFailedError as failure:
-        for line in failure_lines(failure, node_rank * nproc_per_node):
-            print(f"hputrain launch: {line}", file=sys.stderr)
+        with _quiet_torch_logs(), _own_signal_handlers():
+            failures = _run_agent(config, sys.executable,
+                                  ["-u", "-m", "hputrain.distributed.entry", *target])
+    except SignalException as stop:
+        print(f"hputrain launch: {stop.sigval.name} received: passed to every worker to save and "
+              f"stop (exit {128 + stop.sigval})", file=sys.stderr)
+        return 128 + stop.sigval
+    except DistError as exc:  # the rendezvous, before any worker ran
+        if "EADDRINUSE" in str(exc):
+            raise InputError(f"port {master_port} is in use: pick another --master-port") from None
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        print(f"hputrain launch: rendezvous at {master_addr}:{master_port} failed: {line}", file=sys.stderr)
         return 1
     finally:
         del local_store
-    return 0
+    return _report(failures)
 
 
-def _loopback_store():
-    """The rendezvous store of a single-node run, listening on 127.0.0.1 only. torch's agent
-    would bind its store to every interface; given a store of the same address and port in this
-    process (multi_tenant), it uses this one instead."""
+def _rendezvous_endpoint(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None):
+    """(address, port, the store kept alive while the agent runs): one node listens on 127.0.0.1,
+    on --master-port when given; node 0 of several checks that its port is free."""
+    if master_port is not None:
+        check_port(master_port, "--master-port")
+    if nnodes == 1:
+        if master_addr not in (None, LOOPBACK, "localhost"):
+            print(f"hputrain launch: one node: the rendezvous listens on {LOOPBACK} "
+                  f"(--master-addr {master_addr} is for --nnodes > 1)", file=sys.stderr)
+        port, store = _loopback_store(master_port)
+        return LOOPBACK, port, store
+    if master_addr is None or master_port is None:
+        missing = "MASTER_ADDR (--master-addr)" if master_addr is None else "MASTER_PORT (--master-port)"
+        raise InputError(f"a multi-node launch needs --master-addr and --master-port (or MASTER_ADDR "
+                         f"and MASTER_PORT) on every node; {missing} is not set")
+    if node_rank == 0:
+        _check_port_free(master_port)
+    return master_addr, master_port, None
+
+
+def check_port(port, where: str) -> int:
+    """`port` as a TCP port number (1-65535), or one line naming `where` it came from."""
+    try:
+        number = int(port)
+    except (TypeError, ValueError):
+        raise InputError(f"{where} must be a port number (1-65535), got {port!r}") from None
+    if not 1 <= number <= 65535:
+        raise InputError(f"{where} must be a port number (1-65535), got {number}")
+    return number
+
+
+def _loopback_store(port: int | None):
+    """The rendezvous store of a single-node run, listening on 127.0.0.1 only, on `port` or a
+    free one. torch's agent would bind its store to every interface; given a store of the same
+    address and port in this process (multi_tenant), it uses this one instead."""
     import datetime
 
     from torch.distributed import TCPStore
 
-    listener = socket.socket()
-    listener.bind((LOOPBACK, 0))
+    listener = _listen(LOOPBACK, port or 0, f"{LOOPBACK}:{port or 0}")
     port = listener.getsockname()[1]
     store = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
                      master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=900))
     return port, (listener, store)
 
 
-def failure_lines(failure, first_rank: int = 0) -> list[str]:
-    """'rank R failed (exit code C): first line of its error', rank order."""
+def _check_port_free(port: int) -> None:
+    """Node 0 of a multi-node run: the agent's store will listen on `port` on every interface;
+    say now, in one line, if it cannot, rather than in a traceback after the rendezvous began."""
+    _listen("", port, f"port {port} of this node (node 0)").close()
+
+
+def _listen(address: str, port: int, where: str) -> socket.socket:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+    try:
+        listener.bind((address, port))
+    except OSError as exc:
+        listener.close()
+        raise InputError(f"the rendezvous cannot listen on {where}: {exc.strerror or exc}; "
+                         f"pick another --master-port (or MASTER_PORT)") from None
+    return listener
+
+
+def _run_agent(config, entrypoint: str, args: list[str]) -> dict:
+    """torch.distributed.launcher.api.launch_agent for the static rendezvous, with the agent
+    below; returns the failures by global rank (empty when every worker succeeded)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    master_addr, master_port = config.rdzv_endpoint.rsplit(":", 1)
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                  run_id=config.run_id, min_nodes=config.min_nodes,
+                                  max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                  **config.rdzv_configs)
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=get_rendezvous_handler(params),
+                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                      master_addr=master_addr, master_port=int(master_port),
+                      local_addr=config.local_addr, numa_options=config.numa_options)
+    agent = _stop_aware_agent()(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                                shutdown_timeout=config.shutdown_timeout)
+    return agent.run().failures
+
+
+def _stop_aware_agent():
+    """torch's LocalElasticAgent, except that a worker group stopped by a signal (every failed rank
+    exited 128 + SIGTERM/SIGINT after saving, or was killed by it) is the end of the run, not a
+    crash to restart: restarts are switched off the way torch itself does for a wedged worker."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class StopAwareAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and stop_signal(result.failures) is not None:
+                self._remaining_restarts = 0
+            return result
+
+    return StopAwareAgent
+
+
+def stop_signal(failures: dict) -> signal.Signals | None:
+    """The signal that stopped the run when every failed rank stopped because of SIGTERM or
+    SIGINT (exit code 128 + N after saving, or -N: killed by it); None when any rank failed
+    otherwise. The earliest failure names the signal."""
+    signals = {}
+    for rank, failure in failures.items():
+        code = failure.exitcode
+        number = code - 128 if code > 128 else -code
+        if number not in STOP_SIGNALS:
+            return None
+        signals[(failure.timestamp, rank)] = signal.Signals(number)
+    return signals[min(signals)] if signals else None
+
+
+def _report(failures: dict) -> int:
+    """The exit status of a finished run, with one line on stderr when it did not succeed."""
+    if not failures:
+        return 0
+    stop = stop_signal(failures)
+    if stop is not None:
+        exits = ", ".join(f"rank {rank} exited {failures[rank].exitcode}" for rank in sorted(failures))
+        print(f"hputrain launch: stopped by {stop.name} ({exits}); exit {128 + stop}", file=sys.stderr)
+        return 128 + stop
+    for line in failure_lines(failures):
+        print(f"hputrain launch: {line}", file=sys.stderr)
+    return 1
+
+
+def failure_lines(failures: dict) -> list[str]:
+    """'rank R failed (exit code C): its error', the first failure first; ranks that only stopped
+    because the launcher ended the job after that failure are left out."""
     lines = []
-    for rank, process in sorted(failure.failures.items()):
-        message = process.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        first = (str(message).strip().splitlines() or ["no error message"])[0][:300]
-        lines.append(f"rank {rank} failed (exit code {process.exitcode}): {first}")
+    for rank, process in sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0])):
+        if stop_signal({rank: process}) is not None and len(failures) > 1:
+            continue
+        lines.append(f"rank {rank} failed (exit code {process.exitcode}): {error_line(process.message)}")
     return lines
+
+
+def error_line(message) -> str:
+    """One line for a failed rank: the exception entry.py recorded ("ValueError: ..."), the last
+    line it wrote to stderr before exiting, or torch's note on the signal that killed it."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = str(message).strip()
+    if not message or message.startswith("To enable traceback"):  # torch's text when it knows nothing
+        return "exited without an error message (see its output above)"
+    return message.splitlines()[0][:300]
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch's agent logs a warning for each worker it signals and an error for each that
+    fails; the launcher says it in one line instead. LOGLEVEL (torch's own switch) shows them."""
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    sink, saved = logging.NullHandler(), [(log, log.propagate) for log in loggers]
+    for log in loggers:
+        log.addHandler(sink)
+        log.propagate = False
+    try:
+        yield
+    finally:
+        for log, propagate in saved:
+            log.removeHandler(sink)
+            log.propagate = propagate
+
+
+@contextlib.contextmanager
+def _own_signal_handlers():
+    """torch's agent installs handlers for AGENT_SIGNALS that turn a signal into an exception;
+    put back what was there before once the run is over."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {number: signal.getsignal(number) for number in AGENT_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"{name} must be a whole number, got {value!r}") from None
 
 
 def needs_launch(devices: int, num_nodes: int) -> bool:
@@ -92,14 +277,14 @@ def relaunch_current_program(devices: int, num_nodes: int) -> int:
     """Run this program again in devices × num_nodes processes (this node's share), as Lightning
     does for Trainer(devices=N): with num_nodes > 1, MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
     NODE_RANK come from the environment of every node."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != devices * num_nodes:
+    world = _env_int("WORLD_SIZE")
+    if world is not None and world != devices * num_nodes:
         raise InputError(f"WORLD_SIZE={world}, but devices={devices} × num_nodes={num_nodes} is "
                          f"{devices * num_nodes}")
-    node_rank = int(os.environ.get("NODE_RANK", "0"))
-    port = os.environ.get("MASTER_PORT")
-    return launch(current_program(), devices, num_nodes, node_rank,
-                  os.environ.get("MASTER_ADDR"), int(port) if port else None)
+    port = os.environ.get("MASTER_PORT") or None
+    return launch(current_program(), devices, num_nodes, _env_int("NODE_RANK", 0),
+                  os.environ.get("MASTER_ADDR") or None,
+                  check_port(port, "MASTER_PORT") if port is not None else None)
 
 
 def current_program() -> list[str]:
@@ -128,14 +313,17 @@ def cmd_launch(args) -> int:
     except ValueError:
         raise InputError(f"--nproc-per-node must be a number or auto, got {nproc!r}") from None
     nnodes = args.nnodes or (saved.num_nodes if saved else 1)
-    port = args.master_port or os.environ.get("MASTER_PORT")
+    if args.master_port is not None:
+        port = check_port(args.master_port, "--master-port")
+    else:
+        port = os.environ.get("MASTER_PORT") or None
+        port = check_port(port, "MASTER_PORT") if port is not None else None
     target = (["-m", args.target] if args.module else [args.target]) + args.args
     if not args.module and not os.path.isfile(args.target):
         raise InputError(f"script {args.target} does not exist")
-    return launch(target, nproc, nnodes,
-                  args.node_rank if args.node_rank is not None else int(os.environ.get("NODE_RANK", "0")),
-                  args.master_addr or os.environ.get("MASTER_ADDR"), int(port) if port else None,
-                  args.max_restarts, cpu)
+    node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK", 0)
+    return launch(target, nproc, nnodes, node_rank, args.master_addr or os.environ.get("MASTER_ADDR") or None,
+                  port, args.max_restarts, cpu)
 
 
 def add_launch_parser(sub) -> None:
@@ -148,9 +336,11 @@ def add_launch_parser(sub) -> None:
     p.add_argument("--node-rank", "--node_rank", type=int, help="this node's rank (default $NODE_RANK or 0)")
     p.add_argument("--master-addr", "--master_addr", help="address of node 0 (default $MASTER_ADDR; "
                    "127.0.0.1 on one node)")
-    p.add_argument("--master-port", "--master_port", type=int, help="a free port on node 0")
+    p.add_argument("--master-port", "--master_port", help="a free port on node 0 (default $MASTER_PORT; "
+                   "on one node, a free port of 127.0.0.1)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restart the whole job this often after a failure; it resumes from the latest checkpoint")
+                   help="restart the whole job this often after a failure; it resumes from the latest "
+                   "checkpoint (a stop by SIGTERM/SIGINT is never restarted)")
     p.add_argument("--cpu", action="store_true", help="force the CPU")
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, as python -m")
     p.add_argument("target", metavar="SCRIPT", help="the training script (or module with -m)")

@@ -8,13 +8,16 @@ be passed in explicitly so that a slice of a longer sequence keeps its global po
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..errors import InputError
 
 IGNORE_INDEX = -100
 """Label value that `GPT.forward` leaves out of the loss."""
@@ -63,10 +66,52 @@ class GPTConfig:
             raise ValueError(f"Unknown GPT size {name!r}; valid sizes are {', '.join(_SIZES)}.")
         return cls(**{**_SIZES[name], **overrides})
 
+    @classmethod
+    def from_dict(cls, data: Any, max_parameters: int | None = None) -> GPTConfig:
+        """A config read from a file (a checkpoint's config.json): only this class's fields, each of
+        its type, sizes positive and, with `max_parameters`, a model no larger than that (so a
+        hostile or mistyped file cannot make the caller allocate terabytes). Raises ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"GPTConfig must be a JSON object, got {type(data).__name__}.")
+        fields = {field.name: field.type for field in dataclasses.fields(cls)}
+        for name, value in data.items():
+            if name not in fields:
+                raise ValueError(f"GPTConfig has no field {name!r} (fields: {', '.join(fields)}).")
+            if not _is_of_type(value, fields[name]):
+                raise ValueError(f"GPTConfig.{name} must be of type {fields[name]}, got {value!r}.")
+        config = cls(**data)
+        parameters = config.num_parameters()
+        if max_parameters is not None and parameters > max_parameters:
+            raise ValueError(f"GPTConfig describes a model of {parameters:,} parameters "
+                             f"({4 * parameters / 1e9:,.1f} GB of float32 weights), more than the "
+                             f"limit of {max_parameters:,} parameters.")
+        return config
+
+    def num_parameters(self) -> int:
+        """Parameters of the `GPT` this config builds (`GPT.num_parameters(non_embedding=False)`),
+        counted without building it."""
+        width, bias = self.n_embd, int(self.bias)
+        # per block: two LayerNorms, q/k/v and output projections (4C^2), the 4x MLP (8C^2)
+        block = 12 * width * width + 2 * width + bias * 11 * width
+        embeddings = (self.vocab_size + self.block_size) * width  # lm_head is tied to wte
+        return embeddings + self.n_layer * block + width * (1 + bias)
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.n_embd // self.n_head
+
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _is_of_type(value: Any, annotation: str) -> bool:
+    """Whether a JSON value fits a GPTConfig field annotated `annotation` (bool is no int here)."""
+    if isinstance(value, bool):
+        return annotation == "bool"
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return isinstance(value, _TYPES[annotation])
 
 
 AttendFn = Callable[..., torch.Tensor]
@@ -257,6 +302,7 @@ class GPT(nn.Module):
         Recomputes the whole (cropped to block_size) context every step. temperature 0 picks the
         most likely token; top_k keeps only the k most likely tokens before sampling.
         """
+        check_sampling(temperature, top_k)
         was_training = self.training
         self.eval()
         try:
@@ -277,6 +323,20 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
     )
+
+
+MIN_TEMPERATURE = 1e-4
+"""Smallest sampling temperature other than 0 (greedy): logits divided by much less overflow."""
+
+
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """Raise InputError unless `temperature` is 0 (greedy) or a finite number of at least
+    MIN_TEMPERATURE, and `top_k` is None or at least 1."""
+    if not (temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)):
+        raise InputError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                         f"got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InputError(f"top_k must be an integer >= 1 (or not given), got {top_k!r}")
 
 
 def pick_next_token(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""A tiny worker for the launcher's signal and failure tests, started by `hputrain launch` (it
+imports nothing heavy). Each rank writes MASTER_ADDR:MASTER_PORT to OUT/env-RANK and its
+pid to OUT/pid-RANK, then waits.
+
+    signal_script.py OUT wait        SIGTERM / SIGINT: pause (a stand-in for saving a checkpoint),
+                                     write OUT/stopped-RANK, exit 128 + signal, as the Trainer does
+    signal_script.py OUT fail RANK   RANK prints an error line and exits 3; the others wait
+"""
+import os
+import signal
+import sys
+import time
+
+
+def main(out: str, mode: str, failing_rank: int | None = None) -> int:
+    rank = int(os.environ["RANK"])
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.append(signum))
+    with open(os.path.join(out, f"env-{rank}"), "w") as f:
+        f.write(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    with open(os.path.join(out, f"pid-{rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(out, f"pid-{rank}.tmp"), os.path.join(out, f"pid-{rank}"))
+    if rank == failing_rank:
+        time.sleep(0.5)
+        print("first line of the error", file=sys.stderr)
+        print(f"rank {rank}: the data set is empty", file=sys.stderr)
+        return 3
+    deadline = time.monotonic() + 120
+    while not stop and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not stop:
+        return 1
+    time.sleep(1)  # "saving"
+    with open(os.path.join(out, f"stopped-{rank}"), "w") as f:
+        f.write(str(stop[0]))
+    return 128 + stop[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))
