@@ -275,35 +275,6 @@ def test_hpu_peak_flops_graphs_and_rng(fake_hpu):
     assert hpu.rng_state()[0] == 7
 
 
-# -- the mean over ranks ---------------------------------------------------------------------------
-
-def _mean_worker(rank, world, port, accelerator_name, out):
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cls = {"cpu": CPUAccelerator, "hpu": HPUAccelerator}[accelerator_name]
-    t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
-    cls.all_reduce_mean(cls.__new__(cls), t)
-    out[rank] = t.tolist()
-    dist.destroy_process_group()
-
-
-def test_all_reduce_mean_is_sum_over_world():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_mean_worker, args=(2, port, "cpu", out), nprocs=2)
-    assert out[0] == out[1] == [1.5, 15.0]
-
-
 # -- CUDA (on a GPU machine) -----------------------------------------------------------------------
 
 @requires_cuda

@@ -140,16 +140,13 @@ def test_launch_reads_the_saved_defaults(tmp_path):
 
 
 def test_strategy_selection():
-    from hputrain.accelerators.cpu import CPUAccelerator
-
     two = ProcessGroup(rank=0, local_rank=0, world_size=2, backend="gloo")
     one = ProcessGroup(rank=0, local_rank=0, world_size=1, backend="gloo")
-    cpu = CPUAccelerator()
-    assert select_strategy(TrainingArguments(), two, cpu).name == "ddp"
-    assert select_strategy(TrainingArguments(strategy="fast_ddp"), two, cpu).name == "fast_ddp"
-    assert select_strategy(TrainingArguments(strategy="ddp"), one, cpu).name == "single"
+    assert select_strategy(TrainingArguments(), two).name == "ddp"
+    assert select_strategy(TrainingArguments(strategy="fast_ddp"), two).name == "fast_ddp"
+    assert select_strategy(TrainingArguments(strategy="ddp"), one).name == "single"
     with pytest.raises(InputError, match="strategy 'single' runs one process"):
-        select_strategy(TrainingArguments(strategy="single"), two, cpu)
+        select_strategy(TrainingArguments(strategy="single"), two)
 
 
 def test_world_size_must_match_devices_and_nodes(monkeypatch):

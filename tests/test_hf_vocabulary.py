@@ -55,7 +55,8 @@ def test_every_hugging_face_field_is_taken_or_refused_in_one_line():
 @pytest.mark.parametrize("kwargs, words", [
     ({"fp16": True}, ["fp16 is not supported", "bf16=True", "Gaudi has no fp16"]),
     ({"load_best_model_at_end": True}, ["not supported yet", "save_total_limit"]),
-    ({"gradient_checkpointing": True}, ["gradient_checkpointing_enable()"]),
+    ({"gradient_checkpointing_kwargs": {"use_reentrant": True}}, ["use_reentrant=False"]),
+    ({"activation_checkpointing": True}, ["spelled gradient_checkpointing"]),
     ({"fsdp": "full_shard"}, ["strategy is one of"]),
     ({"deepspeed": "ds.json"}, ["strategy is one of"]),
     ({"push_to_hub": True}, ["offline"]),
@@ -147,7 +148,7 @@ def no_saved_defaults(monkeypatch, tmp_path):
     (["--fp16"], ["--fp16: fp16 is not supported: use bf16=True"]),
     (["--fp16", "true"], ["bf16=True"]),
     (["--load_best_model_at_end"], ["load_best_model_at_end is not supported yet"]),
-    (["--gradient-checkpointing"], ["gradient_checkpointing_enable()"]),
+    (["--gradient-checkpointing-kwargs", "{}"], ["use_reentrant=False"]),
     (["--per-gpu-train-batch-size", "4"], ["use per_device_train_batch_size"]),
     (["--eval-strategy", "epoch"], ["eval_strategy='epoch' is not supported yet"]),
     (["--optim", "adafactor"], ["optim='adafactor' is not supported yet"]),

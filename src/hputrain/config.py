@@ -277,6 +277,16 @@ class TrainingArguments:
     """fp8 scales: delayed (from the amax history) or dynamic (from the current amax)."""
     fp8_amax_history_len: int = 16
     """Forward passes of amax history that delayed fp8 scaling takes the largest from."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing: each transformer block keeps only its input for backward and
+    recomputes the rest there (torch.utils.checkpoint, non-reentrant): less memory, more compute.
+    Hugging Face models use their own gradient_checkpointing_enable()."""
+    gradient_checkpointing_every: int = 1
+    """With gradient_checkpointing, checkpoint every this many blocks only (the first, then every
+    K-th): trades memory back for speed."""
+    fsdp_block_classes: list[str] | None = None
+    """Class names of the model's transformer blocks (what gradient_checkpointing checkpoints);
+    unset: a Hugging Face model's _no_split_modules, or the built-in GPT's blocks."""
     disable_tqdm: bool = False
     """Hide the progress bar."""
     remove_unused_columns: bool = True
@@ -355,6 +365,17 @@ class TrainingArguments:
         check_choice("fp8_scaling", self.fp8_scaling, ("delayed", "dynamic"))
         _check(self.fp8_amax_history_len >= 1,
                f"fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}")
+        _check(self.gradient_checkpointing_every >= 1, "gradient_checkpointing_every must be at "
+               f"least 1, got {self.gradient_checkpointing_every}")
+        _check(self.gradient_checkpointing_every == 1 or self.gradient_checkpointing,
+               "gradient_checkpointing_every needs gradient_checkpointing=True")
+        if isinstance(self.fsdp_block_classes, (str, tuple)):  # one name, as Hugging Face takes it
+            self.fsdp_block_classes = ([self.fsdp_block_classes] if isinstance(self.fsdp_block_classes, str)
+                                       else list(self.fsdp_block_classes))
+        _check(self.fsdp_block_classes is None or (
+            isinstance(self.fsdp_block_classes, list) and self.fsdp_block_classes
+            and all(isinstance(n, str) and n.strip() for n in self.fsdp_block_classes)),
+            f"fsdp_block_classes must be a non-empty list of class names, got {self.fsdp_block_classes!r}")
         _check(0 <= self.seed < 2**63, f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed}")
         _check(0 <= self.warmup_ratio <= 1, f"warmup_ratio must lie in [0, 1], got {self.warmup_ratio}")
         _check(isinstance(self.warmup_steps, int),  # transformers 5 reads warmup_steps=0.1 as a ratio

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed.checkpointing import recomputing
 from .errors import InputError
 
 E4M3 = torch.float8_e4m3fn
@@ -106,7 +107,11 @@ class _Scaler:
         self.layer, self.kind, self.dtype = layer, kind, dtype
 
     def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t in fp8, its scale). In training the amax joins the history; in eval it does not."""
+        """(t in fp8, its scale). In training the amax joins the history; in eval it does not,
+        nor in activation checkpointing's recompute, which reuses the forward's scale."""
+        if recomputing():
+            scale = self.layer.scale[self.kind].clone()
+            return _quantize(t, scale, self.dtype), scale
         layer, now = self.layer, _amax(t)
         history = layer.amax_history[self.kind]
         if layer.recipe.scaling == "dynamic":

@@ -22,6 +22,7 @@ from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments, as_training_arguments, check_trainer_kwargs
 from .data import LABEL_NAMES, MicroBatches, default_collate, model_input_names, to_device
 from .distributed import ProcessGroup, select_strategy
+from .distributed.checkpointing import apply_activation_checkpointing
 from .distributed.context_parallel import ContextParallel, NoContextParallel
 from .distributed.launch import needs_launch, relaunch_current_program
 from .errors import InputError
@@ -77,7 +78,7 @@ class Trainer:
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.group.set_context_parallel(self.args.context_parallel_size)
         self.device = self.accelerator.setup(self.group.local_rank)
-        self.group.init(self.args.ddp_timeout)
+        self.group.init(self.args.ddp_timeout, self.device.type)
         self.precision = select_precision(self.args, self.config, self.accelerator)
         if self.precision.notice and self.group.is_main:  # bf16 asked for where it is emulated
             print(f"hputrain: {self.precision.notice}", file=sys.stderr)
@@ -85,10 +86,11 @@ class Trainer:
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
         self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
+        apply_activation_checkpointing(self.model, self.args)  # before the strategy wraps it
         self.inputs = model_input_names(model)
         self.count_tokens = TokenCount(model)
         self.context_parallel = self._context_parallel()
-        self.strategy = select_strategy(self.args, self.group, self.accelerator)
+        self.strategy = select_strategy(self.args, self.group)
         self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts weights
         if self.args.use_graphs_for_training:
             self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
@@ -307,7 +309,7 @@ class Trainer:
     def _log(self, sinks, clock, batches, logged_loss, steps, grad_norm) -> float:
         """One logging record; the host reads the loss and grad norm back only here. Nothing here
         adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
-        loss = self.group.all_reduce_mean(logged_loss, self.accelerator).item() / steps
+        loss = self.group.all_reduce_mean(logged_loss).item() / steps
         self._stop_if_diverged(loss, steps)
         record = {
             "step": self.global_step,

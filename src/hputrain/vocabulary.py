@@ -14,7 +14,8 @@ _YET = "is not supported yet"
 _FP16 = "is not supported: use bf16=True (Gaudi has no fp16 training path)"
 _BEST = (f"{_YET}: keep checkpoints with save_steps and save_total_limit and pick one by the "
          "eval_loss in metrics.jsonl")
-_CHECKPOINTING = f"{_YET}: call model.gradient_checkpointing_enable() before making the Trainer"
+_CHECKPOINTING = "is not needed: gradient_checkpointing=True checkpoints non-reentrant (use_reentrant=False)"
+_ACTIVATION = "is spelled gradient_checkpointing here (with gradient_checkpointing_every)"
 _SCALE = f"{_YET}: strategy is one of {', '.join(config.STRATEGIES)}, with context_parallel_size"
 _HUB = "is not supported: hputrain works offline; upload output_dir with huggingface_hub.upload_folder"
 _GENERIC = """average_tokens_across_devices use_liger_kernel liger_kernel_config use_cache
@@ -42,8 +43,8 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "bf16_full_eval": f"{_YET}: evaluation runs in the training precision (bf16=True)",
     "tf32": f"{_YET}: call torch.set_float32_matmul_precision('high') in your script",
     "load_best_model_at_end": _BEST, "metric_for_best_model": _BEST, "greater_is_better": _BEST,
-    "gradient_checkpointing": _CHECKPOINTING, "gradient_checkpointing_kwargs": _CHECKPOINTING,
-    "activation_checkpointing": _CHECKPOINTING, "activation_checkpointing_kwargs": _CHECKPOINTING,
+    "gradient_checkpointing_kwargs": _CHECKPOINTING, "activation_checkpointing": _ACTIVATION,
+    "activation_checkpointing_kwargs": _CHECKPOINTING,
     "fsdp": _SCALE, "fsdp_config": _SCALE, "fsdp_min_num_params": _SCALE,
     "fsdp_transformer_layer_cls_to_wrap": _SCALE, "deepspeed": _SCALE, "parallelism_config": _SCALE,
     "sharded_ddp": _SCALE, "distribution_strategy": "is spelled strategy here ('ddp' or 'fast_ddp')",

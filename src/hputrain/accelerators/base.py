@@ -64,7 +64,8 @@ class Accelerator(ABC):
 
     @abstractmethod
     def dist_backend(self) -> str:
-        """torch.distributed backend for this device."""
+        """torch.distributed backend for this device by default (ddp_backend may choose another;
+        what a backend can do is the process group's business, distributed/group.py)."""
 
     def compile_backend(self) -> str:
         return "inductor"
@@ -140,15 +141,6 @@ class Accelerator(ABC):
         """Clip gradients in place to a total 2-norm of `max_norm`; return the norm before clipping
         as a device tensor (no host read-back)."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
-
-    def all_reduce_mean(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
-        """Average `tensor` in place across the process group. Gloo and HCCL have no AVG
-        reduction, so the default sums and divides by the group size."""
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        tensor.div_(dist.get_world_size(group))
-        return tensor
 
     # -- graphs --------------------------------------------------------------------------------
     def graph_compiles(self) -> int | None:

@@ -76,12 +76,6 @@ class CUDAAccelerator(Accelerator):
                 return table.get(dtype)
         return None
 
-    def all_reduce_mean(self, tensor, group=None):
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)  # NCCL has AVG
-        return tensor
-
     def wrap_graph_inference(self, module):
         # "reduce-overhead" records CUDA graphs of the compiled module and replays them.
         return torch.compile(module, mode="reduce-overhead", dynamic=False)

@@ -6,9 +6,10 @@ to the rank that owns each slice), applies the causal mask with global positions
 local slice. Everything else in a transformer (embeddings, MLPs, norms, the loss) is per position
 and needs nothing; so activations per rank fall to about 1/cp.
 
-`context_parallel_attention` is usable from any model; `ContextParallel` is the trainer's piece:
-it slices batches and, during the forward pass, routes causal
-`F.scaled_dot_product_attention` calls to `context_parallel_attention`.
+`context_parallel_attention` is usable from any model and any process group; `ContextParallel`
+is the trainer's piece, on the mesh's "cp" dimension (ProcessGroup.cp_group): it slices batches
+and, during the forward pass, routes causal `F.scaled_dot_product_attention` calls to
+`context_parallel_attention`.
 """
 from __future__ import annotations
 

@@ -1,34 +1,53 @@
 """The process group, from the environment torchrun (or a user, node by node) sets:
-MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK. One process is a group of one, and every
-method below is then a no-op, so the trainer never branches on whether it is distributed."""
+MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, and the DeviceMesh over it (mesh.py).
+One process is a group of one, and every method below is then a no-op (no process group is
+initialised), so the trainer never branches on whether it is distributed."""
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from .mesh import MeshDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
 class ProcessGroup:
+    """This process's place in the job, the mesh of all of them, and the collectives the trainer
+    and the strategies use. What the backend can do is decided from the backend in use."""
+
     rank: int
+    """This process's global rank."""
     local_rank: int
+    """Its rank on this node: the device it drives."""
     world_size: int
+    """All processes of the job."""
     backend: str | Callable[[], str]
-    restarts: int = 0  # how often torchrun has restarted the job (TORCHELASTIC_RESTART_COUNT)
-    cp_size: int = 1  # context-parallel group size: the mesh is data-parallel × context-parallel
-    cp_group: object = None  # this rank's context-parallel process group, once initialised
-    host_group: object = None  # Gloo over all ranks, for small host values (see host_sum)
+    """The backend asked for (ddp_backend, else the accelerator's); a callable is asked only when
+    there is more than one process (asking an accelerator may import a communication library)."""
+    restarts: int = 0
+    """How often torchrun has restarted the job (TORCHELASTIC_RESTART_COUNT)."""
+    dims: MeshDims = field(init=False)
+    """The layout, dp_replicate × dp_shard × cp: set before `init`, fixed after it."""
+    mesh: DeviceMesh | None = field(default=None, init=False)
+    """The DeviceMesh over `dims`, once `init` has joined the processes (None for one process)."""
+    host_group: object = field(default=None, init=False)
+    """Gloo over all ranks, for small host values (see host_sum)."""
+
+    def __post_init__(self) -> None:
+        self.dims = MeshDims(world_size=self.world_size)
 
     @classmethod
-    def from_env(cls, backend: str | Callable[[], str]) -> "ProcessGroup":
-        """`backend` may be a callable, asked only when there is more than one process (asking an
-        accelerator for its backend may import a communication library)."""
+    def from_env(cls, backend: str | Callable[[], str]) -> ProcessGroup:
         try:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             rank = int(os.environ.get("RANK", "0"))
@@ -50,44 +69,58 @@ class ProcessGroup:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    # The mesh: rank = dp_rank * cp_size + cp_rank, so a context-parallel group is consecutive
-    # ranks (one node, where they can be). Ranks of one cp group train on the same samples.
+    # -- the layout (see mesh.py) ----------------------------------------------------------------
+    def set_context_parallel(self, size: int) -> None:
+        self._set_dims(cp=size)
+
+    def set_dp_shard(self, size: int) -> None:
+        """Shard the model state over `size` data-parallel ranks (fsdp); the others replicate it."""
+        self._set_dims(dp_shard=size)
+
+    def _set_dims(self, **sizes: int) -> None:
+        if self.mesh is not None:
+            raise RuntimeError("the process layout is fixed once the processes have joined (init)")
+        self.dims = replace(self.dims, **sizes)
+
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.cp_size
+        return self.dims.dp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp_size
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % self.cp_size
+        return self.dims.cp_rank(self.rank)
 
-    def set_context_parallel(self, size: int) -> None:
-        if size > 1 and self.world_size % size:
-            raise InputError(f"WORLD_SIZE={self.world_size} is not a multiple of context_parallel_size="
-                             f"{size}: the processes form a data-parallel × context-parallel mesh")
-        self.cp_size = size
+    @property
+    def cp_group(self):
+        """This rank's context-parallel process group (None before `init` or for one process)."""
+        return None if self.mesh is None else self.mesh["cp"].get_group()
 
-    def init(self, timeout_seconds: int = 1800) -> None:
-        """Join the process group. A collective that waits longer than `timeout_seconds` (a
-        rank died without the launcher noticing) fails instead of hanging."""
-        if not self.distributed or dist.is_initialized():
+    # -- joining ---------------------------------------------------------------------------------
+    def init(self, timeout_seconds: int = 1800, device_type: str = "cpu") -> None:
+        """Join the process group (unless the program already has) and build the mesh on
+        `device_type`, the training device's type. A collective that waits longer than
+        `timeout_seconds` (a rank died without the launcher noticing) fails instead of hanging."""
+        if not self.distributed or self.mesh is not None:
             return
-        backend = self.backend() if callable(self.backend) else self.backend
         timeout = datetime.timedelta(seconds=timeout_seconds)
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
-                                store=self._attempt_store(timeout))
+        if not dist.is_initialized():
+            backend = self.backend() if callable(self.backend) else self.backend
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
+                                    store=self._attempt_store(timeout))
+        self.mesh = self.dims.build(device_type)
         # Host values (a step's token count, a stop request) meet on Gloo whatever the device's
         # backend: no device sync, and a collective every rank reaches at the same point.
         gloo = dist.Backend.GLOO
-        self.host_group = dist.new_group(backend=gloo) if backend != gloo else dist.group.WORLD
-        if self.cp_size > 1:
-            for first in range(0, self.world_size, self.cp_size):  # every rank makes every group
-                group = dist.new_group(list(range(first, first + self.cp_size)))
-                if first == self.dp_rank * self.cp_size:
-                    self.cp_group = group
+        self.host_group = (dist.group.WORLD if dist.get_backend() == gloo
+                           else dist.new_group(backend=gloo, timeout=timeout))
 
     def _attempt_store(self, timeout):
         """Under torch's elastic agent, its store with a prefix per attempt. The agent keeps one
@@ -99,9 +132,17 @@ class ProcessGroup:
                                     is_master=False, timeout=timeout)
         return dist.PrefixStore(f"hputrain/attempt_{self.restarts}", agent_store)
 
-    def all_reduce_mean(self, tensor: torch.Tensor, accelerator) -> torch.Tensor:
-        if self.distributed:
-            accelerator.all_reduce_mean(tensor)
+    # -- collectives (no-ops for one process) ----------------------------------------------------
+    def all_reduce_mean(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Average `tensor` in place over `group` (all ranks by default): one AVG all-reduce
+        where the group's backend has it, else a SUM divided by the group's size."""
+        if not self.distributed:
+            return tensor
+        if has_avg(dist.get_backend(group)):
+            dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            tensor.div_(dist.get_world_size(group))
         return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -120,6 +161,12 @@ class ProcessGroup:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def has_avg(backend: str) -> bool:
+    """Whether all_reduce on `backend` (dist.get_backend's name) has ReduceOp.AVG: NCCL's does;
+    Gloo, HCCL, MPI and UCC have none, nor has a mixed "cpu:gloo,cuda:nccl" group for CPU tensors."""
+    return backend == dist.Backend.NCCL
 
 
 def _check_rendezvous_env(world: int) -> None:

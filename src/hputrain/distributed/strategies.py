@@ -1,8 +1,8 @@
 """How gradients meet across processes: single (one process), ddp (DistributedDataParallel) and
 fast_ddp (no wrapper: one flat buffer of all gradients, all-reduced once per step).
 
-A strategy is the second of three separate axes (device, strategy, precision): it asks the
-accelerator for the mean (Gloo and HCCL have no AVG reduction) and never looks at the device.
+A strategy is the second of three separate axes (device, strategy, precision): it asks the process
+group for the mean (Gloo and HCCL have no AVG reduction) and never looks at the device.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ class FastDDP(Strategy):
 
     name = "fast_ddp"
 
-    def __init__(self, accelerator, bf16_gradients: bool = False) -> None:
-        self.accelerator, self.bf16_gradients = accelerator, bf16_gradients
+    def __init__(self, group: ProcessGroup, bf16_gradients: bool = False) -> None:
+        self.group, self.bf16_gradients = group, bf16_gradients
 
     def wrap(self, model):
         with torch.no_grad():
@@ -77,14 +77,14 @@ class FastDDP(Strategy):
         grads = [p.grad for p in params]
         dtype = torch.bfloat16 if self.bf16_gradients else grads[0].dtype
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-        self.accelerator.all_reduce_mean(flat)
+        self.group.all_reduce_mean(flat)
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
 
-def select_strategy(args, group: ProcessGroup, accelerator) -> Strategy:
+def select_strategy(args, group: ProcessGroup) -> Strategy:
     """strategy="auto": ddp across processes, single for one."""
     name = args.strategy
     if name == "auto":
@@ -98,4 +98,4 @@ def select_strategy(args, group: ProcessGroup, accelerator) -> Strategy:
         return Strategy()  # ddp of one process is one process
     if name == "ddp":
         return DDP(args.ddp_bucket_cap_mb, args.ddp_find_unused_parameters)
-    return FastDDP(accelerator, args.fast_ddp_bf16_gradients)
+    return FastDDP(group, args.fast_ddp_bf16_gradients)

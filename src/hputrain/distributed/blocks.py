@@ -1,0 +1,63 @@
+"""Which modules of a model are its transformer blocks.
+
+One answer, shared by activation checkpointing (each block's activations are recomputed in
+backward) and by sharding (one `fully_shard` per block). The blocks are, in this order of choice:
+
+- the modules whose class is named in `fsdp_block_classes` (TrainingArguments), when given;
+- a Hugging Face model's `_no_split_modules` classes (the layers it never splits across devices);
+- the built-in GPT's `Block`s.
+
+Blocks come in module order, outermost only: a block inside another block is part of it.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import InputError, did_you_mean
+
+
+def block_modules(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
+    """The transformer blocks of `model`, in module order. `class_names` (fsdp_block_classes)
+    wins over what the model says; a name that is no class of the model's modules is one line."""
+    if class_names is not None:
+        _check_class_names(model, class_names)
+        return _outermost(model, set(class_names))
+    split = no_split_modules(model)
+    if split:
+        return _outermost(model, split)
+    from ..models.gpt import Block
+
+    return [module for module in model.modules() if isinstance(module, Block)]
+
+
+def no_split_modules(model: nn.Module) -> set[str]:
+    """The class names in the `_no_split_modules` of `model` and of its sub-models (a Hugging
+    Face model inside a PEFT wrapper, or a vision tower inside a multimodal model)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def every(blocks: list[nn.Module], k: int) -> list[nn.Module]:
+    """Every k-th block, starting with the first (blocks 0, k, 2k, ...)."""
+    return blocks[::k]
+
+
+def _outermost(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()  # ids of modules within a block already taken
+    for module in model.modules():  # parents come before their children
+        if id(module) in inside or type(module).__name__ not in class_names:
+            continue
+        blocks.append(module)
+        inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def _check_class_names(model: nn.Module, class_names: list[str]) -> None:
+    present = {type(module).__name__ for module in model.modules()}
+    for name in class_names:
+        if name not in present:
+            raise InputError(f"fsdp_block_classes names {name!r}, which is no module class of "
+                             f"{type(model).__name__}{did_you_mean(name, present)}")
