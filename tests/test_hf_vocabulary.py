@@ -57,7 +57,7 @@ def test_every_hugging_face_field_is_taken_or_refused_in_one_line():
     ({"load_best_model_at_end": True}, ["not supported yet", "save_total_limit"]),
     ({"gradient_checkpointing_kwargs": {"use_reentrant": True}}, ["use_reentrant=False"]),
     ({"activation_checkpointing": True}, ["spelled gradient_checkpointing"]),
-    ({"fsdp": "full_shard"}, ["strategy is one of"]),
+    ({"fsdp_config": {}}, ["fsdp_cpu_offload"]),
     ({"deepspeed": "ds.json"}, ["strategy is one of"]),
     ({"push_to_hub": True}, ["offline"]),
     ({"hub_model_id": "me/model"}, ["offline"]),

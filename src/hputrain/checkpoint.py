@@ -1,6 +1,12 @@
 """Checkpoints: save a run to `output_dir/checkpoint-STEP/` and resume it exactly.
 
-The folder (model.safetensors, config.json as the model's library writes it, optimizer.pt,
+This module is the folder protocol; how the model and optimizer state is written is a state IO
+chosen by the strategy (`state_io_for`): `FullState` here (model.safetensors and optimizer.pt,
+written by rank 0), or `ShardedState` (checkpoint_sharded.py: every rank writes its shards with
+torch.distributed.checkpoint into sharded/) under a strategy whose `shards_state` is True.
+Loading reads the state the way the folder holds it.
+
+The folder (the model and optimizer state, config.json as the model's library writes it,
 scheduler.pt, trainer_state.json, rng_state_RANK.pt, and model_extra_state.pt where layers have
 extra state, such as fp8 scaling) is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into
 place when complete, so a kill mid-save leaves the previous checkpoint whole; a failed write (a
@@ -9,8 +15,9 @@ only, so a checkpoint cannot run code, and checks what it loaded against the mod
 before using it. `lock_output_dir` keeps a second run out of an output_dir in use.
 
 With several processes every rank calls `save_checkpoint(..., barrier=dist.barrier)`, which runs:
-rank 0 begin_checkpoint | barrier | every rank write_rng_state, rank 0 write_rank0_files |
-barrier | rank 0 finalize and rotate_checkpoints | barrier.
+rank 0 begin_checkpoint | barrier | every rank write_rng_state and the state IO's write (rank 0
+only for FullState), rank 0 write_common_files | barrier | rank 0 finalize and
+rotate_checkpoints | barrier.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .checkpoint_checks import check_optimizer_state, check_trainer_state
+from .checkpoint_sharded import SHARDED_DIR, ShardedState
 from .errors import InputError
 
 MODEL_FILE = "model.safetensors"
@@ -258,24 +266,64 @@ def _write_model_config(model: torch.nn.Module, folder: Path) -> None:
         _write_text(path, json.dumps(dataclasses.asdict(config), indent=2, default=str))
 
 
-def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer, scheduler,
-                      state: dict) -> None:
-    """Write the model and its configuration, the optimizer, scheduler and trainer state (with
-    "step" added) into `folder`. An optimizer or scheduler of None is skipped."""
+class FullState:
+    """The whole model and optimizer state, written by rank 0: MODEL_FILE (safetensors, each
+    tensor once), EXTRA_STATE_FILE where layers have extra state, and OPTIMIZER_FILE."""
+
+    shards = False
+
+    @staticmethod
+    def found_in(folder: Path) -> bool:
+        return (folder / MODEL_FILE).is_file()
+
+    def write(self, folder: Path, *, model, optimizer, rank: int) -> None:
+        if rank != 0:
+            return
+        tensors, extra = _model_state(model)
+        with _writing(folder / MODEL_FILE):
+            save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+            _fsync(folder / MODEL_FILE)
+        if extra:
+            _torch_save(extra, folder / EXTRA_STATE_FILE)
+        if optimizer is not None:
+            _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
+
+    def load(self, folder: Path, *, model, optimizer, rank: int) -> None:
+        _load_model(model, folder)
+        # optimizer.load_state_dict moves its state to each parameter's device
+        if optimizer is not None:
+            with _reading(folder / OPTIMIZER_FILE):
+                saved = _load_pt(folder / OPTIMIZER_FILE)
+                check_optimizer_state(saved, optimizer)
+                optimizer.load_state_dict(saved)
+
+    def consolidate(self, path: Path, *, model, rank: int) -> None:
+        """MODEL_FILE is already the whole model."""
+
+
+def state_io_for(strategy) -> FullState | ShardedState:
+    """The state IO of a strategy: sharded where it shards the model's state (fsdp)."""
+    return ShardedState() if getattr(strategy, "shards_state", False) else FullState()
+
+
+def write_common_files(folder: str | os.PathLike, step: int, *, model, scheduler,
+                       state: dict) -> None:
+    """Rank 0: the model's configuration, the scheduler and the trainer state (with "step"
+    added, written last). A scheduler of None is skipped."""
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
-    model = unwrap_model(model)
-    tensors, extra = _model_state(model)
-    with _writing(folder / MODEL_FILE):
-        save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
-        _fsync(folder / MODEL_FILE)
-    _write_model_config(model, folder)
-    if extra:
-        _torch_save(extra, folder / EXTRA_STATE_FILE)
-    if optimizer is not None:
-        _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
+    _write_model_config(unwrap_model(model), folder)
     if scheduler is not None:
         _torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
     _write_text(folder / STATE_FILE, text)
+
+
+def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer, scheduler,
+                      state: dict) -> None:
+    """A one-process full checkpoint's files: the model and its configuration, the optimizer,
+    scheduler and trainer state (with "step" added). An optimizer or scheduler of None is skipped."""
+    json.dumps(state)  # fail before writing anything
+    FullState().write(Path(folder), model=unwrap_model(model), optimizer=optimizer, rank=0)
+    write_common_files(folder, step, model=model, scheduler=scheduler, state=state)
 
 
 def finalize(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
@@ -326,9 +374,14 @@ def rotate_checkpoints(output_dir: str | os.PathLike, limit: int | None, keep: P
 def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler,
                     state: dict, accelerator, rank: int = 0, world_size: int = 1,
                     save_total_limit: int | None = None,
-                    barrier: Callable[[], None] | None = None) -> Path:
+                    barrier: Callable[[], None] | None = None,
+                    state_io: FullState | ShardedState | None = None,
+                    consolidate: bool = False) -> Path:
     """Save checkpoint STEP atomically and return its folder; then keep only the newest
-    `save_total_limit` checkpoints. With world_size > 1 every rank calls this with `barrier`."""
+    `save_total_limit` checkpoints. With world_size > 1 every rank calls this with `barrier`.
+    `state_io` (default FullState) writes the model and optimizer state; `consolidate` also
+    writes the whole model as MODEL_FILE where the state IO shards it (the end of training)."""
+    state_io = state_io or FullState()
     if save_total_limit is not None and save_total_limit < 1:
         raise InputError(f"save_total_limit must be at least 1, got {save_total_limit}.")
     if world_size > 1 and barrier is None:
@@ -341,9 +394,13 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
         wait()
         try:
             write_rng_state(tmp, rank, accelerator)
+            json.dumps(state)  # fail before writing anything
+            state_io.write(tmp, model=unwrap_model(model), optimizer=optimizer, rank=rank)
+            if consolidate:
+                with _writing(tmp / MODEL_FILE):
+                    state_io.consolidate(tmp / MODEL_FILE, model=unwrap_model(model), rank=rank)
             if rank == 0:
-                write_rank0_files(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  state=state)
+                write_common_files(tmp, step, model=model, scheduler=scheduler, state=state)
             wait()
             if rank == 0:
                 finalize(tmp, final)
@@ -407,7 +464,8 @@ def _check_folder(folder: Path) -> None:
         raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
     if not folder.is_dir():
         raise CheckpointError(f"Checkpoint path {folder} is not a folder.")
-    for name in (STATE_FILE, MODEL_FILE):
+    names = (STATE_FILE,) if (folder / SHARDED_DIR).is_dir() else (STATE_FILE, MODEL_FILE)
+    for name in names:
         path = folder / name
         if path.exists() and not path.is_file():  # a FIFO or a folder: never opened
             raise CheckpointError(f"{path} is not a regular file.")
@@ -460,32 +518,45 @@ def _load_model(model: torch.nn.Module, folder: Path) -> None:
             model.load_state_dict(extra, strict=False)  # each layer's set_extra_state checks its own
 
 
+def _reader_for(folder: Path, state_io: FullState | ShardedState | None):
+    """How the folder's state is read: its shards when it has them (DCP loads them on any number
+    of processes, into sharded or plain models alike), else its full files. A strategy that
+    shards (`state_io` sharded) cannot read full files into its shards."""
+    if (folder / SHARDED_DIR).is_dir():  # ShardedState.load says what of it is missing
+        return ShardedState()
+    if state_io is not None and state_io.shards:
+        raise CheckpointError(f"{folder} holds full state ({MODEL_FILE}, {OPTIMIZER_FILE}), not "
+                              "the shards a sharded strategy resumes from: resume it with "
+                              "strategy ddp or single.")
+    return FullState()
+
+
 def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler=None,
-                    accelerator=None, rank: int = 0, restore_rng: bool = True) -> dict:
+                    accelerator=None, rank: int = 0, restore_rng: bool = True,
+                    state_io: FullState | ShardedState | None = None) -> dict:
     """Load a checkpoint folder into `model` (strict) and the optional optimizer and scheduler,
-    restore rank `rank`'s generators, and return the trainer state. Raises CheckpointError."""
+    restore rank `rank`'s generators, and return the trainer state. Raises CheckpointError.
+    With several processes every rank calls it (a sharded folder loads collectively). A sharded
+    checkpoint of fewer processes has no generator file for the ranks beyond its own: those
+    keep their seeded generators."""
     folder = Path(path)
     _check_folder(folder)
     state = _read_state(folder / STATE_FILE)
-    _load_model(unwrap_model(model), folder)
-    # optimizer.load_state_dict moves its state to each parameter's device
-    if optimizer is not None:
-        with _reading(folder / OPTIMIZER_FILE):
-            saved = _load_pt(folder / OPTIMIZER_FILE)
-            check_optimizer_state(saved, optimizer)
-            optimizer.load_state_dict(saved)
+    reader = _reader_for(folder, state_io)
+    reader.load(folder, model=unwrap_model(model), optimizer=optimizer, rank=rank)
     if scheduler is not None:
         with _reading(folder / SCHEDULER_FILE):
             scheduler.load_state_dict(_load_pt(folder / SCHEDULER_FILE))
-    if restore_rng:
+    resharded = reader.shards and rank >= state.get("world_size", 1)
+    if restore_rng and not resharded:
         _restore_rng(rng_file(folder, rank), accelerator)
     return state
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The complete checkpoint-N folder with the largest N, or None."""
-    complete = [path for path in _checkpoint_folders(Path(output_dir))
-                if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file()]
+    complete = [path for path in _checkpoint_folders(Path(output_dir)) if (path / STATE_FILE).is_file()
+                and (FullState.found_in(path) or ShardedState.found_in(path))]
     return complete[-1] if complete else None
 
 

@@ -75,13 +75,21 @@ def _check_group(index: int, saved, group: dict) -> list:
     if len(numbers) != len(group["params"]):
         raise ValueError(f"parameter group {index} has {len(numbers)} parameters, the "
                          f"optimizer's {len(group['params'])}")
+    check_param_group_kinds(index, saved, group)
+    return numbers
+
+
+def check_param_group_kinds(index: int, saved, group: dict) -> None:
+    """Raise ValueError unless saved parameter group `index`'s hyper-parameters are of the kinds
+    of the optimizer's `group` (a missing flag is fine: the optimizer's default fills it)."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"parameter group {index} is not a dict")
     for key, mine in group.items():
         if key == "params" or (key not in saved and (isinstance(mine, bool) or mine is None)):
             continue
         if not _same_kind(saved.get(key), mine):
             raise ValueError(f"parameter group {index}'s {key} is {str(saved.get(key))[:40]}, "
                              f"where the optimizer has {mine}")
-    return numbers
 
 
 def _check_step(index: int, value) -> None:

@@ -92,6 +92,28 @@ def _env_parser(sub) -> None:
     p.set_defaults(func=cmd_env)
 
 
+# -- hputrain export -------------------------------------------------------------------------------
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from .checkpoint_sharded import export_model
+
+    output = export_model(Path(args.checkpoint), Path(args.output) if args.output else None)
+    print(output)
+    return 0
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="the whole model of a sharded (fsdp) checkpoint as one "
+                                      "model.safetensors, in one process")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint-STEP folder written by a sharded run")
+    p.add_argument("--output", metavar="FILE",
+                   help="where to write it (default: DIR/model.safetensors)")
+    p.set_defaults(func=cmd_export)
+
+
 # -- entry point -----------------------------------------------------------------------------------
 
 def build_parser() -> Parser:
@@ -99,6 +121,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"hputrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _env_parser(sub)
+    _export_parser(sub)
     from .defaults import add_config_parser
     from .distributed.launch import add_launch_parser
     from .doctor import add_doctor_parser

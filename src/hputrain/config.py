@@ -149,7 +149,9 @@ def check_choice(name: str, value, choices, foreign: dict[str, str] | None = Non
 # -- TrainingArguments ---------------------------------------------------------------------------
 
 SCHEDULES = ("linear", "cosine", "constant")
-STRATEGIES = ("auto", "single", "ddp", "fast_ddp")
+STRATEGIES = ("auto", "single", "ddp", "fast_ddp", "fsdp")
+# fsdp, in Hugging Face's spelling: how the model state is sharded.
+FSDP_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
 EXECUTION_MODES = ("auto", "eager", "lazy", "compile")
 ACCELERATOR_NAMES = ("auto", "hpu", "cuda", "mps", "cpu")
 # optim: whether it asks for the device's fused AdamW (None: the device's default).
@@ -254,7 +256,24 @@ class TrainingArguments:
     num_nodes: int = 1
     """Number of nodes."""
     strategy: str = "auto"
-    """auto, single, ddp or fast_ddp."""
+    """auto, single, ddp, fast_ddp or fsdp (FSDP2: parameters, gradients and optimizer state
+    sharded over the processes, one fully_shard per transformer block)."""
+    fsdp: list[str] | str | None = None
+    """The Hugging Face spelling of strategy="fsdp", naming how to shard: full_shard (the
+    default), shard_grad_op (gradients and optimizer state only: fsdp_reshard_after_forward=False)
+    or hybrid_shard (shard within a node, replicate across nodes). Hugging Face's extra words
+    "auto_wrap" (always so here) and "offload" (fsdp_cpu_offload) are taken too."""
+    fsdp_reshard_after_forward: bool | None = None
+    """With fsdp, free each block's gathered parameters after its forward (True) or keep them
+    for backward (False); unset: False for shard_grad_op, else True."""
+    fsdp_cpu_offload: bool = False
+    """With fsdp, keep the parameter, gradient and optimizer-state shards in CPU memory
+    (FSDP2's CPUOffloadPolicy); the optimizer steps on the CPU."""
+    fsdp_init_on_meta: bool = False
+    """With fsdp, shard the model before giving it storage and draw its initial weights shard by
+    shard (as an eager build after torch.manual_seed(seed) draws them), so that no process holds
+    the whole model. Replaces the weights a model already has; a model built under
+    torch.device("meta") is always initialised this way. hputrain train builds its GPT on meta."""
     execution_mode: str = "auto"
     """auto (lazy on Gaudi, eager elsewhere), eager, lazy or compile."""
     throughput_warmup_steps: int = 3
@@ -285,8 +304,9 @@ class TrainingArguments:
     """With gradient_checkpointing, checkpoint every this many blocks only (the first, then every
     K-th): trades memory back for speed."""
     fsdp_block_classes: list[str] | None = None
-    """Class names of the model's transformer blocks (what gradient_checkpointing checkpoints);
-    unset: a Hugging Face model's _no_split_modules, or the built-in GPT's blocks."""
+    """Class names of the model's transformer blocks (what gradient_checkpointing checkpoints and
+    fsdp shards one by one); unset: a Hugging Face model's _no_split_modules, or the built-in
+    GPT's blocks."""
     disable_tqdm: bool = False
     """Hide the progress bar."""
     remove_unused_columns: bool = True
@@ -314,6 +334,8 @@ class TrainingArguments:
     """Hugging Face's: "steps" saves every save_steps; "no" is save_steps=-1."""
     logging_strategy: str | None = None
     """Hugging Face's: "steps" logs every logging_steps (the only way hputrain logs)."""
+    fsdp_transformer_layer_cls_to_wrap: list[str] | str | None = None
+    """Hugging Face's spelling of fsdp_block_classes."""
     overwrite_output_dir: bool = False
     """Accepted from Hugging Face scripts, no effect: hputrain never deletes what is in output_dir."""
     do_train: bool = False
@@ -347,6 +369,7 @@ class TrainingArguments:
                "save_total_limit must be at least 1")
         check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULES)
         check_choice("strategy", self.strategy, STRATEGIES)
+        self._check_fsdp()
         check_choice("execution_mode", self.execution_mode, EXECUTION_MODES)
         check_choice("accelerator", self.accelerator, ACCELERATOR_NAMES)
         if self.precision is not None:
@@ -369,6 +392,11 @@ class TrainingArguments:
                f"least 1, got {self.gradient_checkpointing_every}")
         _check(self.gradient_checkpointing_every == 1 or self.gradient_checkpointing,
                "gradient_checkpointing_every needs gradient_checkpointing=True")
+        if self.fsdp_transformer_layer_cls_to_wrap is not None:
+            _check(self.fsdp_block_classes is None, "fsdp_transformer_layer_cls_to_wrap and "
+                   "fsdp_block_classes are both set: keep fsdp_block_classes")
+            self.fsdp_block_classes, self.fsdp_transformer_layer_cls_to_wrap = (
+                self.fsdp_transformer_layer_cls_to_wrap, None)
         if isinstance(self.fsdp_block_classes, (str, tuple)):  # one name, as Hugging Face takes it
             self.fsdp_block_classes = ([self.fsdp_block_classes] if isinstance(self.fsdp_block_classes, str)
                                        else list(self.fsdp_block_classes))
@@ -386,6 +414,38 @@ class TrainingArguments:
                "keep one (warmup_steps=0 to use the ratio)")
         check_choice("optim", self.optim, OPTIMIZERS, foreign=vocabulary.OPTIMIZERS)
         self.report_to = report_targets(self.report_to)
+
+    def _check_fsdp(self) -> None:
+        """fsdp (Hugging Face's words) becomes strategy="fsdp" and one of FSDP_MODES; the fsdp
+        options need it, and lazy mode, fast_ddp and context parallelism do not combine with it."""
+        if isinstance(self.fsdp, bool):
+            self.fsdp = "full_shard" if self.fsdp else None
+        words = self.fsdp.split() if isinstance(self.fsdp, str) else list(self.fsdp or [])
+        modes = [w for w in words if w not in ("auto_wrap", "offload")]
+        for word in modes:
+            check_choice("fsdp", word, FSDP_MODES)
+        _check(len(modes) <= 1, f"fsdp names more than one way to shard: {' '.join(modes)}")
+        if words:
+            _check(self.strategy in ("auto", "fsdp"),
+                   f"fsdp={self.fsdp!r} conflicts with strategy={self.strategy!r}: keep one")
+            self.strategy = "fsdp"
+            self.fsdp_cpu_offload = self.fsdp_cpu_offload or "offload" in words
+        self.fsdp = modes[0] if modes else ("full_shard" if self.strategy == "fsdp" else None)
+        if self.strategy != "fsdp":
+            for name in ("fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_init_on_meta"):
+                _check(getattr(self, name) in (None, False), f"{name} needs strategy='fsdp'")
+            return
+        _check(not (self.fsdp == "shard_grad_op" and self.fsdp_reshard_after_forward),
+               "fsdp='shard_grad_op' keeps parameters gathered after forward: it conflicts with "
+               "fsdp_reshard_after_forward=True")
+        _check(self.execution_mode != "lazy", "strategy='fsdp' runs in eager or compile mode, not "
+               "lazy: set execution_mode='eager' or 'compile'")
+        _check(not self.fast_ddp_bf16_gradients, "fast_ddp_bf16_gradients is fast_ddp's: with fsdp, "
+               "bf16=True reduces gradients in fp32 from bf16 compute")
+        _check(self.context_parallel_size == 1, "strategy='fsdp' with context_parallel_size > 1 is "
+               "not supported yet: use ddp or fast_ddp with context parallelism")
+        _check(not self.use_graphs_for_training, "use_graphs_for_training needs lazy mode, which "
+               "strategy='fsdp' does not run in")
 
     def _translate_hf_spellings(self) -> None:
         """Hugging Face's and Optimum for Intel Gaudi's switches become accelerator, execution_mode,

@@ -119,6 +119,10 @@ def cmd_train(args) -> int:
               f"{len(train_set)} training sequences of {options.seq_len} bytes from "
               f"{options.corpus or 'the Python standard library'}")
     output = trainer.train()
+    device = next(model.parameters()).device  # the host after lazy mode
+    # a sharded model's forward is a collective: every rank samples (the same tokens, seeded)
+    sharded = trainer.strategy.shards_state and output.interrupted_by is None
+    sample = _sample(model, device) if sharded else None
     if not trainer.group.is_main:
         return 0
     _write_recipe(training_args.output_dir, options, model_config)
@@ -133,7 +137,7 @@ def cmd_train(args) -> int:
     if output.interrupted_by is not None:
         print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
         return 128 + output.interrupted_by
-    print(f"sample:     {_sample(model, next(model.parameters()).device)!r}")  # on the host after lazy mode
+    print(f"sample:     {sample if sample is not None else _sample(model, device)!r}")
     return 0
 
 

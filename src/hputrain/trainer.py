@@ -25,6 +25,7 @@ from .distributed import ProcessGroup, select_strategy
 from .distributed.checkpointing import apply_activation_checkpointing
 from .distributed.context_parallel import ContextParallel, NoContextParallel
 from .distributed.launch import needs_launch, relaunch_current_program
+from .distributed.strategies import set_layout
 from .errors import InputError
 from .loss import IGNORE_INDEX, TokenCount, batch_size
 from .optim import create_optimizer, create_scheduler
@@ -77,6 +78,7 @@ class Trainer:
             self.accelerator.fp8_minimize_memory = True  # at import, and setup() checks it
         self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
         self.group.set_context_parallel(self.args.context_parallel_size)
+        set_layout(self.args, self.group)  # fsdp's shard dimension, before the processes join
         self.device = self.accelerator.setup(self.group.local_rank)
         self.group.init(self.args.ddp_timeout, self.device.type)
         self.precision = select_precision(self.args, self.config, self.accelerator)
@@ -85,13 +87,14 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
-        self.model = execution.move_to_device(self.precision.convert_module(model), self.device)
+        self.strategy = select_strategy(self.args, self.group, self.accelerator, self.precision)
+        # on the device, except a meta-device model, which fsdp shards before it materialises it
+        self.model = self.strategy.place(self.precision.convert_module(model), self.device)
         apply_activation_checkpointing(self.model, self.args)  # before the strategy wraps it
         self.inputs = model_input_names(model)
         self.count_tokens = TokenCount(model)
         self.context_parallel = self._context_parallel()
-        self.strategy = select_strategy(self.args, self.group)
-        self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts weights
+        self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts; fsdp shards
         if self.args.use_graphs_for_training:
             self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
         elif self.accelerator.execution_mode == "compile":
@@ -159,8 +162,8 @@ class Trainer:
                     logged_loss += loss.detach()
                 self.strategy.reduce_gradients(self.model)  # fast_ddp: one flat all-reduce
                 if args.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm(params, args.max_grad_norm,
-                                                           fused=self.config.use_fused_clip_norm)
+                    grad_norm = self.strategy.clip_grad_norm(accelerator, params, args.max_grad_norm,
+                                                             fused=self.config.use_fused_clip_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -348,9 +351,9 @@ class Trainer:
         with self._model_on_device(), self._eval_mode():
             module = self._inference_module()
             total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, tokens)
-            for batch in self._eval_batches(dataset):
+            for batch, real in self._eval_batches(dataset):
                 batch = self._on_host(batch)
-                count = self._on_device_scalar(self.count_tokens(batch), torch.float64)
+                count = self._on_device_scalar(self.count_tokens(batch) if real else 0, torch.float64)
                 batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
                 with self._forward_context():
                     loss = self._loss(batch, module)  # the mean over its counted tokens
@@ -375,12 +378,14 @@ class Trainer:
         predictions, labels, loss_sum, tokens = [], [], 0.0, 0
         with self._model_on_device(), self._eval_mode():
             module = self._inference_module()
-            for batch in self._eval_batches(test_dataset):
+            for batch, real in self._eval_batches(test_dataset):
                 batch = self._on_host(batch)
                 count = self.count_tokens(batch)
                 batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
                 with self._forward_context():
                     output = self._forward(batch, module)
+                if not real:  # a repeat that kept this rank in step with the others
+                    continue
                 logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
                 predictions.append(logits.float().cpu())
                 if isinstance(batch, dict) and "labels" in batch:
@@ -430,9 +435,25 @@ class Trainer:
                             self.group.dp_size, self.args.seed)
 
     def _eval_batches(self, dataset):
-        return MicroBatches(dataset, self._collate, self.args.per_device_eval_batch_size, 1,
-                            self.group.dp_rank, self.group.dp_size, self.args.seed,
-                            shuffle=False, drop_last=False).iterate(0, epochs=1)
+        """(batch, real) pairs of this rank's share. Under a strategy whose forward is a
+        collective (fsdp gathers each block's weights), ranks run in step: one that has run out
+        of batches repeats its last one, not counted (real False), until every rank is done."""
+        batches = MicroBatches(dataset, self._collate, self.args.per_device_eval_batch_size, 1,
+                               self.group.dp_rank, self.group.dp_size, self.args.seed,
+                               shuffle=False, drop_last=False).iterate(0, epochs=1)
+        if not self.strategy.shards_state:
+            yield from ((batch, True) for batch in batches)
+            return
+        last = None
+        while True:
+            batch = next(batches, None)
+            if not self.group.host_sum([batch is not None])[0]:
+                return
+            if batch is None and last is None:
+                raise InputError("the evaluation set is too small to give every rank a batch under "
+                                 "fsdp: evaluate on more samples")
+            last = batch if batch is not None else last
+            yield last, batch is not None
 
     def _total_steps(self, batches: MicroBatches) -> int:
         if batches.steps_per_epoch == 0:
@@ -469,11 +490,15 @@ class Trainer:
         return state  # the model's own configuration is its config.json (checkpoint.py)
 
     def _save(self, batches: MicroBatches):
+        # the strategy decides how the state is written; the last save of a sharded run also
+        # writes the whole model (model.safetensors) for generate and other tools
+        last = self._stop_signal is not None or self.global_step >= self._total_steps(batches)
         return checkpoint.save_checkpoint(
             self.args.output_dir, self.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.scheduler, state=self._state(batches), accelerator=self.accelerator,
             rank=self.group.rank, world_size=self.group.world_size,
-            save_total_limit=self.args.save_total_limit, barrier=self.group.barrier)
+            save_total_limit=self.args.save_total_limit, barrier=self.group.barrier,
+            state_io=checkpoint.state_io_for(self.strategy), consolidate=last)
 
     def _resume(self, spec: str | None) -> dict:
         if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
@@ -483,7 +508,8 @@ class Trainer:
         folder = checkpoint.resolve_checkpoint(self.args.output_dir, spec)
         state = checkpoint.load_checkpoint(folder, model=self.model, optimizer=self.optimizer,
                                            scheduler=self.scheduler, accelerator=self.accelerator,
-                                           rank=self.group.rank)
+                                           rank=self.group.rank,
+                                           state_io=checkpoint.state_io_for(self.strategy))
         self.accelerator.mark_step()
         return state
 

@@ -17,6 +17,11 @@ _BEST = (f"{_YET}: keep checkpoints with save_steps and save_total_limit and pic
 _CHECKPOINTING = "is not needed: gradient_checkpointing=True checkpoints non-reentrant (use_reentrant=False)"
 _ACTIVATION = "is spelled gradient_checkpointing here (with gradient_checkpointing_every)"
 _SCALE = f"{_YET}: strategy is one of {', '.join(config.STRATEGIES)}, with context_parallel_size"
+_FSDP_CONFIG = ("is not taken: its settings are fields here: fsdp (full_shard, shard_grad_op, "
+                "hybrid_shard), fsdp_reshard_after_forward, fsdp_cpu_offload, fsdp_init_on_meta, "
+                "fsdp_block_classes, gradient_checkpointing")
+_FSDP_WRAP = ("is not needed: fsdp shards one transformer block at a time (fsdp_block_classes "
+              "names them)")
 _HUB = "is not supported: hputrain works offline; upload output_dir with huggingface_hub.upload_folder"
 _GENERIC = """average_tokens_across_devices use_liger_kernel liger_kernel_config use_cache
     neftune_noise_alpha torch_empty_cache_steps auto_find_batch_size logging_first_step
@@ -45,9 +50,9 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "load_best_model_at_end": _BEST, "metric_for_best_model": _BEST, "greater_is_better": _BEST,
     "gradient_checkpointing_kwargs": _CHECKPOINTING, "activation_checkpointing": _ACTIVATION,
     "activation_checkpointing_kwargs": _CHECKPOINTING,
-    "fsdp": _SCALE, "fsdp_config": _SCALE, "fsdp_min_num_params": _SCALE,
-    "fsdp_transformer_layer_cls_to_wrap": _SCALE, "deepspeed": _SCALE, "parallelism_config": _SCALE,
-    "sharded_ddp": _SCALE, "distribution_strategy": "is spelled strategy here ('ddp' or 'fast_ddp')",
+    "fsdp_config": _FSDP_CONFIG, "fsdp_min_num_params": _FSDP_WRAP, "deepspeed": _SCALE,
+    "parallelism_config": _SCALE,
+    "sharded_ddp": _SCALE, "distribution_strategy": "is spelled strategy here ('ddp', 'fast_ddp' or 'fsdp')",
     "push_to_hub": _HUB, "push_to_hub_model_id": _HUB, "push_to_hub_organization": _HUB,
     "push_to_hub_token": _HUB, "hub_model_id": _HUB, "hub_strategy": _HUB, "hub_token": _HUB,
     "hub_private_repo": _HUB, "hub_always_push": _HUB, "hub_revision": _HUB,

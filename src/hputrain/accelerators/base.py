@@ -80,6 +80,11 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work, so that a host clock measures it."""
 
+    def supports_fsdp(self) -> bool:
+        """Whether FSDP2's sharding runs here: in eager and compile mode, never in lazy mode
+        (Gaudi supports FSDP in eager mode and with torch.compile only)."""
+        return not self.lazy
+
     # -- numbers -------------------------------------------------------------------------------
     @abstractmethod
     def memory_stats(self) -> dict[str, float]:

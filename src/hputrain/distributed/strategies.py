@@ -1,5 +1,6 @@
-"""How gradients meet across processes: single (one process), ddp (DistributedDataParallel) and
-fast_ddp (no wrapper: one flat buffer of all gradients, all-reduced once per step).
+"""How gradients meet across processes: single (one process), ddp (DistributedDataParallel),
+fast_ddp (no wrapper: one flat buffer of all gradients, all-reduced once per step) and fsdp
+(FSDP2's sharding, fsdp.py).
 
 A strategy is the second of three separate axes (device, strategy, precision): it asks the process
 group for the mean (Gloo and HCCL have no AVG reduction) and never looks at the device.
@@ -19,6 +20,15 @@ class Strategy:
     """One process: nothing to wrap, nothing to reduce."""
 
     name = "single"
+    #: Whether each rank holds only its shards of the model and optimizer state (checkpoints are
+    #: then written shard by shard).
+    shards_state = False
+
+    def place(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """The model on this rank's device, before `wrap`."""
+        from ..execution import move_to_device
+
+        return move_to_device(model, device)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the training step calls."""
@@ -30,6 +40,10 @@ class Strategy:
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """After the last micro-batch's backward: make every rank's gradients the mean."""
+
+    def clip_grad_norm(self, accelerator, parameters, max_norm: float, fused: bool | None = None):
+        """Clip the gradients to a total norm of `max_norm` (the device's way); the norm before."""
+        return accelerator.clip_grad_norm(parameters, max_norm, fused=fused)
 
 
 class DDP(Strategy):
@@ -84,9 +98,26 @@ class FastDDP(Strategy):
             offset += grad.numel()
 
 
-def select_strategy(args, group: ProcessGroup) -> Strategy:
-    """strategy="auto": ddp across processes, single for one."""
+def set_layout(args, group: ProcessGroup) -> None:
+    """Before the processes join: the mesh's dimensions the strategy needs (fsdp's shards)."""
+    if args.strategy == "fsdp" and group.distributed:
+        from .fsdp import dp_shard_size
+
+        group.set_dp_shard(dp_shard_size(args, group.world_size))
+
+
+def select_strategy(args, group: ProcessGroup, accelerator=None, precision=None) -> Strategy:
+    """strategy="auto": ddp across processes, single for one. fsdp needs an accelerator that
+    runs it in its execution mode (not lazy)."""
     name = args.strategy
+    if name == "fsdp":
+        if accelerator is not None and not accelerator.supports_fsdp():
+            raise InputError(f"strategy='fsdp' runs in eager or compile mode, not in execution_mode="
+                             f"{accelerator.execution_mode!r} on {accelerator.name}: set "
+                             "execution_mode='eager' or 'compile'")
+        from .fsdp import FSDP
+
+        return FSDP(group, args, precision)
     if name == "auto":
         name = "ddp" if group.distributed else "single"
     if name == "single":

@@ -9,6 +9,7 @@ be passed in explicitly so that a slice of a longer sequence keeps its global po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +27,7 @@ _SIZES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_head": 4, "n_embd": 128},
     "small": {"n_layer": 6, "n_head": 6, "n_embd": 384},
     "base": {"n_layer": 12, "n_head": 12, "n_embd": 768},  # the GPT-2 small shape
+    "large": {"n_layer": 24, "n_head": 16, "n_embd": 1024},  # the GPT-2 medium shape: ~300M
 }
 
 
@@ -61,7 +63,8 @@ class GPTConfig:
 
     @classmethod
     def from_size(cls, name: str, **overrides) -> GPTConfig:
-        """Return the config for a named size ("tiny", "small", "base"), with fields overridden."""
+        """Return the config for a named size ("tiny", "small", "base", "large"), with fields
+        overridden."""
         if name not in _SIZES:
             raise ValueError(f"Unknown GPT size {name!r}; valid sizes are {', '.join(_SIZES)}.")
         return cls(**{**_SIZES[name], **overrides})
@@ -213,17 +216,24 @@ class GPT(nn.Module):
 
     def _init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2*n_layer)."""
+        for module, step in self.init_steps():
+            step(module)
+
+    def init_steps(self) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+        """The initialisation after construction as (module, step) pairs in the order they draw
+        random numbers, each step touching only its module's own parameters: a model sharded on
+        the meta device replays them one module at a time (distributed/fsdp.py)."""
+        steps = []
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+                steps.append((module, functools.partial(_normal_init, std=0.02)))
         # Each block adds two branches to the residual stream; scaling their output projections
         # keeps the stream's variance from growing with depth.
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+            for layer in (block.attn.proj, block.mlp.proj):
+                steps.append((layer, functools.partial(_normal_init, std=residual_std, bias=False)))
+        return steps
 
     def forward(
         self,
@@ -314,6 +324,13 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return input_ids
+
+
+def _normal_init(module: nn.Module, std: float, bias: bool = True) -> None:
+    """N(0, std) weights and, with `bias`, zero biases."""
+    nn.init.normal_(module.weight, mean=0.0, std=std)
+    if bias and getattr(module, "bias", None) is not None:
+        nn.init.zeros_(module.bias)
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

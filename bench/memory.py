@@ -1,0 +1,254 @@
+"""Memory of strategy="fsdp", meta-device init and activation checkpointing, on CPU processes (gloo),
+the built-in GPT at the "base" width with 16 blocks (113.7M parameters) unless told otherwise.
+
+- state: model state per rank (parameters + gradients + AdamW state, each rank's local tensors,
+  counted right after the first optimizer step) for one process and fsdp with 2 and 4 processes,
+  against (1/N) x the single process's; and each rank's peak RSS right after the Trainer is made:
+  one process with an eager model against fsdp with the model built on the meta device.
+- saved: bytes autograd keeps for backward per step (telemetry.SavedForBackward), without and with
+  gradient_checkpointing (one process); checkpointing: the median step time of the same two
+  (one process, interleaved repeats).
+- speed: median step time of fsdp against ddp at 2 processes, same model and batch per process.
+
+    python bench/memory.py [--parts state,saved,checkpointing,speed] [--layers 16] [--batch 4]
+                           [--seq-len 128] [--steps 8] [--warmup 3] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from hputrain import Trainer, TrainingArguments
+from hputrain.accelerators import detect_accelerator
+from hputrain.data import load_corpus
+from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.telemetry import SavedForBackward
+
+from common import machine, trainer_step_time
+
+HERE = Path(__file__).parent
+GiB = 2**30
+
+
+# -- what one process measures ---------------------------------------------------------------------
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of `tensor`: a DTensor's local shard, else the whole tensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(optimizer) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of this rank, from its local tensors (each
+    parameter once, however many groups name it)."""
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"parameters": sum(local_bytes(p) for p in params),
+            "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(local_bytes(t) for t in state)}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def build(opts, meta: bool) -> GPT:
+    config = GPTConfig.from_size("base", n_layer=opts.layers, block_size=opts.seq_len)
+    torch.manual_seed(0)
+    if not meta:
+        return GPT(config)
+    with torch.device("meta"):  # no storage: fsdp shards it, then draws each rank's shard
+        return GPT(config)
+
+
+def arguments(opts, output_dir: str, steps: int, **training) -> TrainingArguments:
+    return TrainingArguments(output_dir=output_dir, max_steps=steps, learning_rate=1e-4,
+                             logging_steps=steps, save_steps=0, disable_tqdm=True,
+                             per_device_train_batch_size=opts.batch, accelerator="cpu", **training)
+
+
+def state_worker(opts, data) -> dict:
+    """Peak RSS after the Trainer is made, then the model state after one optimizer step."""
+    before = peak_rss()  # torch, hputrain and the data, before any model
+    model = build(opts, meta=opts.meta)
+    trainer = Trainer(model, arguments(opts, os.path.dirname(opts.result), 1, strategy=opts.strategy),
+                      train_dataset=data)
+    result = {"rss_before_model": before, "rss_after_trainer": peak_rss()}
+
+    def count(optimizer, args, kwargs):  # after step(), before zero_grad() frees the gradients
+        result.update(model_state_bytes(optimizer))
+
+    hook = register_optimizer_step_post_hook(count)
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
+    return result
+
+
+def saved_worker(opts, data) -> dict:
+    """Bytes kept for backward in the last of `steps` steps, counted around the model's forward:
+    as SavedForBackward reports them, and without the parameters' storages, which it counts when
+    autograd keeps a view of a weight (Linear keeps weight.t(), not the Parameter itself)."""
+    counts = []
+
+    def loss(module, batch):
+        with SavedForBackward() as saved:
+            out = module(**batch)["loss"]
+        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        activations = sum(n for ptr, n in saved._storages.items() if ptr not in weights)
+        counts.append({"saved": saved.nbytes, "activations": activations})
+        return out
+
+    with tempfile.TemporaryDirectory() as scratch:
+        Trainer(build(opts, meta=False), arguments(opts, scratch, 2, gradient_checkpointing=opts.checkpointing),
+                train_dataset=data, compute_loss=loss).train()
+    return counts[-1]
+
+
+def time_worker(opts, data) -> dict:
+    seconds = trainer_step_time(build(opts, meta=False), data, opts, output_dir=os.path.dirname(opts.result),
+                                strategy=opts.strategy, accelerator="cpu",
+                                gradient_checkpointing=opts.checkpointing)
+    return {"step": seconds}
+
+
+WORKERS = {"state": state_worker, "saved": saved_worker, "time": time_worker}
+
+
+def worker(opts) -> None:
+    data, _ = load_corpus(seq_len=opts.seq_len, max_bytes=1_000_000)
+    result = WORKERS[opts.worker](opts, data)
+    Path(f"{opts.result}.{os.environ.get('RANK', '0')}").write_text(json.dumps(result))
+
+
+# -- the runs ---------------------------------------------------------------------------------------
+
+def launch(opts, processes: int, role: str, strategy: str = "single", meta: bool = False,
+           checkpointing: bool = False, threads: int = 1) -> list[dict]:
+    """Run one worker role in `processes` processes (through `hputrain launch` when more than one);
+    each rank's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result")
+        args = [str(HERE / "memory.py"), "--worker", role, "--strategy", strategy, "--result", result,
+                "--layers", str(opts.layers), "--batch", str(opts.batch), "--seq-len", str(opts.seq_len),
+                "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+        args += ["--meta"] * meta + ["--checkpointing"] * checkpointing
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE)}
+        command = [sys.executable, *args] if processes == 1 else [
+            sys.executable, "-m", "hputrain.cli", "launch", "--cpu", "--nproc-per-node", str(processes), *args]
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode:
+            sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}")
+        return [json.loads(Path(f"{result}.{rank}").read_text()) for rank in range(processes)]
+
+
+def state_part(opts) -> None:
+    runs = {"1 process, eager model": (1, "single", False),
+            "fsdp, 2 processes, meta model": (2, "fsdp", True),
+            "fsdp, 4 processes, meta model": (4, "fsdp", True),
+            "fsdp, 4 processes, eager model (for contrast)": (4, "fsdp", False)}
+    results = {name: launch(opts, n, "state", strategy, meta) for name, (n, strategy, meta) in runs.items()}
+    single = results["1 process, eager model"][0]
+    whole = single["parameters"] + single["gradients"] + single["optimizer"]
+    print("| run | state per rank, largest (MiB): params + grads + AdamW | vs (1/N) x 1 process "
+          "| peak RSS before model (MiB) | peak RSS after Trainer, largest rank (MiB) |")
+    print("|---|---|---|---|---|")
+    for name, ranks in results.items():
+        n = runs[name][0]
+        states = [r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks]
+        top = max(range(n), key=lambda r: states[r])
+        parts = ranks[top]
+        print(f"| {name} | {states[top] / 2**20:,.1f} = {parts['parameters'] / 2**20:,.1f} + "
+              f"{parts['gradients'] / 2**20:,.1f} + {parts['optimizer'] / 2**20:,.1f} | "
+              f"{states[top] / (whole / n):.3f} | {max(r['rss_before_model'] for r in ranks) / 2**20:,.0f} | "
+              f"{max(r['rss_after_trainer'] for r in ranks) / 2**20:,.0f} |")
+    print({name: [{k: v for k, v in r.items()} for r in ranks] for name, ranks in results.items()})
+
+
+def saved_part(opts) -> None:
+    saved = {on: launch(opts, 1, "saved", checkpointing=on, threads=opts.threads)[0] for on in (False, True)}
+    # torch.utils.checkpoint keeps each checkpointed block's input itself, not through autograd's
+    # saved-tensor hooks: those bytes, one fp32 residual stream per block, are added below
+    inputs = opts.layers * opts.batch * opts.seq_len * 768 * 4
+    rows = {"SavedForBackward.nbytes": (saved[False]["saved"], saved[True]["saved"]),
+            "activations only (weights' storages left out)": (saved[False]["activations"],
+                                                              saved[True]["activations"]),
+            "activations + checkpointed blocks' inputs": (saved[False]["activations"],
+                                                          saved[True]["activations"] + inputs)}
+    print("| saved for backward per step | without (MiB) | with gradient_checkpointing (MiB) | ratio |")
+    print("|---|---|---|---|")
+    for name, (without, with_) in rows.items():
+        print(f"| {name} | {without / 2**20:,.1f} | {with_ / 2**20:,.1f} | {with_ / without:.3f} |")
+
+
+def checkpointing_time_part(opts) -> None:
+    times = {False: [], True: []}
+    for _ in range(opts.repeats):
+        for on in times:
+            times[on].append(launch(opts, 1, "time", checkpointing=on, threads=opts.threads)[0]["step"])
+    report_times({"without checkpointing": times[False], "gradient_checkpointing": times[True]})
+
+
+def speed_part(opts) -> None:
+    times = {"ddp": [], "fsdp": []}
+    for _ in range(opts.repeats):
+        for strategy in times:
+            times[strategy].append(launch(opts, 2, "time", strategy)[0]["step"])
+    report_times(times)
+
+
+def report_times(times: dict[str, list[float]]) -> None:
+    base = statistics.median(next(iter(times.values())))
+    print("| run | median step (s) | vs first |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.median(values) / base:.3f}x |")
+    print({name: [round(v, 3) for v in values] for name, values in times.items()})
+
+
+PARTS = {"state": state_part, "saved": saved_part, "checkpointing": checkpointing_time_part,
+         "speed": speed_part}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="state,saved,checkpointing,speed")
+    p.add_argument("--layers", type=int, default=16, help="blocks of width 768 (16: 113.7M parameters)")
+    p.add_argument("--batch", type=int, default=4, help="per process")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timings")
+    p.add_argument("--threads", type=int, default=2, help="threads of the one-process checkpointing runs")
+    p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    p.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
+    p.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.worker:
+        return worker(opts)
+    config = GPTConfig.from_size("base", n_layer=opts.layers, block_size=opts.seq_len)
+    print(f"machine: {machine(detect_accelerator('cpu'))}, {os.cpu_count()} cores")
+    print(f"model: GPT width 768, {opts.layers} blocks, {config.num_parameters():,} parameters, fp32, AdamW; "
+          f"seq {opts.seq_len}, batch {opts.batch} per process; timings: {opts.steps} steps, first "
+          f"{opts.warmup} left out, {opts.repeats} interleaved repeats")
+    for part in opts.parts.split(","):
+        print(f"\n## {part}")
+        PARTS[part](opts)
+
+
+if __name__ == "__main__":
+    main()

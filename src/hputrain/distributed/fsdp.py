@@ -1,0 +1,198 @@
+"""strategy="fsdp": PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`), one per transformer
+block (blocks.py) and one on the root, over the mesh's data-parallel dimensions.
+
+- full_shard: parameters, gradients and optimizer state sharded over every data-parallel rank;
+  each block's parameters are gathered for its forward and backward and freed after each
+  (fsdp_reshard_after_forward=False, Hugging Face's shard_grad_op, keeps them from forward to
+  backward: more memory, one all-gather less per block).
+- hybrid_shard: sharded within a node, replicated across nodes (a dp_replicate × dp_shard mesh).
+- bf16: FSDP2's MixedPrecisionPolicy, bf16 parameters for compute and fp32 gradient reduction,
+  the fp32 shards staying the master weights the optimizer updates; autocast runs on top.
+- A model whose parameters are on the meta device (or any model with fsdp_init_on_meta=True) is
+  sharded first and materialised afterwards, one module at a time (see `materialise`).
+
+The gradients are DTensors sharded over the mesh: the trainer's clipping takes their global norm.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from ..execution import move_to_device
+from .blocks import block_modules
+from .strategies import Strategy
+
+
+class FSDP(Strategy):
+    """FSDP2 sharding of the model state; with one process, no sharding (a meta model is still
+    materialised)."""
+
+    name = "fsdp"
+    shards_state = True
+
+    def __init__(self, group, args, precision=None) -> None:
+        self.group = group
+        self.block_classes = args.fsdp_block_classes
+        self.reshard_after_forward = reshard_after_forward(args)
+        self.cpu_offload = args.fsdp_cpu_offload
+        self.init_on_meta = args.fsdp_init_on_meta
+        self.seed = args.seed
+        self.compute_dtype = getattr(precision, "compute_dtype", torch.float32)
+
+    def place(self, model, device):
+        """A model to be materialised after sharding stays where it is (on the meta device)."""
+        if self.init_on_meta or on_meta(model):
+            self.device = device
+            return model
+        return super().place(model, device)
+
+    def wrap(self, model):
+        meta = self.init_on_meta or on_meta(model)
+        if self.init_on_meta:  # drop the eager weights: they are drawn again below, shard by shard
+            move_to_device(model, torch.device("meta"))
+        if self.group.distributed:
+            self._shard(model)
+        if meta:
+            materialise(model, self.device, self.seed)
+        return model
+
+    def _shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh = self.group.mesh  # hybrid_shard: replicate across nodes, shard within each
+        mesh = mesh["dp_shard"] if self.group.dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        options = {"mesh": mesh,
+                   "mp_policy": mixed_precision_policy(self.compute_dtype)}
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        blocks = block_modules(model, self.block_classes)
+        if not blocks:
+            raise InputError(f"strategy='fsdp' shards one transformer block at a time, but "
+                             f"{type(model).__name__} has none hputrain can find: name their class "
+                             "in fsdp_block_classes")
+        for index, block in enumerate(blocks):
+            # The last block's parameters are gathered again at once by backward: keep them.
+            last = index == len(blocks) - 1
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward and not last, **options)
+        fully_shard(model, reshard_after_forward=False, **options)  # the root is used first in backward
+
+    def gradient_sync(self, module, sync):
+        # No reduce-scatter on the micro-batches before the step's last: gradients accumulate
+        # unsharded in each block until then.
+        if self.group.distributed:
+            module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, accelerator, parameters, max_norm, fused=None):
+        """torch's clipping on the DTensor gradients, whose norm is the global one; a device's
+        fused kernel would take only this rank's shards."""
+        norm = accelerator.clip_grad_norm(parameters, max_norm, fused=False)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def reshard_after_forward(args) -> bool:
+    """fsdp_reshard_after_forward, else what the fsdp mode says (shard_grad_op: False)."""
+    if args.fsdp_reshard_after_forward is not None:
+        return args.fsdp_reshard_after_forward
+    return args.fsdp != "shard_grad_op"
+
+
+def dp_shard_size(args, world_size: int) -> int:
+    """The ranks that shard the model state between them: all data-parallel ranks, or with
+    hybrid_shard those of one node (LOCAL_WORLD_SIZE, as the launcher sets it)."""
+    dp = world_size // args.context_parallel_size
+    if args.fsdp != "hybrid_shard":
+        return dp
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world_size // args.num_nodes
+    if per_node <= 0 or dp % per_node:
+        raise InputError(f"fsdp='hybrid_shard' shards within a node of {per_node} processes, which "
+                         f"does not divide the {dp} data-parallel ranks")
+    return per_node
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype):
+    """FSDP2's policy for the precision plugin's compute dtype: fp32 throughout, or bf16
+    parameters for compute with fp32 gradient reduction (fp8 computes inside bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+# -- meta-device initialisation ----------------------------------------------------------------------
+
+def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a (sharded) meta model storage on `device` and the weights an eager build draws after
+    torch.manual_seed(seed), holding one module's full weights at a time.
+
+    The eager draws are replayed in their order: each module's own `reset_parameters` in module
+    order (what its constructor drew), then the model's `init_steps()` when it has them (the
+    built-in GPT's re-initialisation). Each step runs on full CPU tensors of that module's
+    parameters, made with the CPU generator exactly as eagerly; each rank keeps its shard."""
+    _to_empty(model, device)
+    steps = [(m, type(m).reset_parameters) for m in model.modules()
+             if callable(getattr(m, "reset_parameters", None)) and _own_parameters(m)]
+    steps += list(getattr(model, "init_steps", lambda: [])())
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for module, step in steps:
+            _run_on_full_weights(module, step)
+    for buffer in model.buffers():
+        if buffer.is_meta:
+            raise InputError(f"{type(model).__name__} has buffers on the meta device that hputrain "
+                             "cannot initialise: build it eagerly, or without fsdp_init_on_meta")
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """model.to_empty(device=device), a weight shared by two modules still shared after it."""
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in shared.values():
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+
+
+def _own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(module.named_parameters(recurse=False))
+
+
+def _run_on_full_weights(module: nn.Module, step) -> None:
+    """`step(module)` with the module's own parameters swapped for full CPU tensors, then each
+    parameter's shard of the result copied back into it."""
+    params = _own_parameters(module)
+    full = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
+    for name, tensor in full.items():
+        setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    try:
+        step(module)
+    finally:
+        for name, param in params.items():
+            setattr(module, name, param)  # the same Parameter: ties between modules stay
+    for name, param in params.items():
+        _local(param).copy_(_shard_of(full[name], param))
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` as `param` (a DTensor, or a plain tensor) holds it."""
+    if not hasattr(param, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    # every rank drew the same full tensor: each slices its own shard, no communication
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
