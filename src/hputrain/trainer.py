@@ -449,9 +449,11 @@ class Trainer:
             batch = next(batches, None)
             if not self.group.host_sum([batch is not None])[0]:
                 return
-            if batch is None and last is None:
-                raise InputError("the evaluation set is too small to give every rank a batch under "
-                                 "fsdp: evaluate on more samples")
+            if batch is None and last is None:  # fewer samples than ranks: borrow one, uncounted
+                if not hasattr(dataset, "__getitem__"):
+                    raise InputError("the evaluation set is too small to give every rank a batch "
+                                     "under fsdp: evaluate on more samples")
+                last = self._collate([dataset[0]])
             last = batch if batch is not None else last
             yield last, batch is not None
 
