@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hputrain.config import (AcceleratorConfig, ConfigError, TrainingArguments,
-                             add_dataclass_flags, field_docs)
+from hputrain.config import AcceleratorConfig, ConfigError, TrainingArguments, field_docs
+from hputrain.flags import add_dataclass_flags
 
 DESIGN_FIELDS = """output_dir per_device_train_batch_size gradient_accumulation_steps learning_rate
 weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm num_train_epochs max_steps warmup_steps

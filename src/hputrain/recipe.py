@@ -12,9 +12,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .config import (AcceleratorConfig, ConfigError, TrainingArguments, add_dataclass_flags,
-                     checked_values, read_mapping)
+from .config import AcceleratorConfig, ConfigError, TrainingArguments, checked_values, read_mapping
 from .defaults import load_defaults, training_defaults
+from .flags import add_dataclass_flags
 
 
 @dataclasses.dataclass(kw_only=True)
