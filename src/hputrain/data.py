@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import InputError
+from .files import read_regular_file
 
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 """Directory names never read (installed third-party code and bytecode caches)."""
@@ -102,13 +103,9 @@ def _read_text_file(file: Path) -> bytes | None:
     None. Opened without blocking and checked before reading: a FIFO (or a device) among the
     files would wait for a writer, or never end."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb") as f:  # owns fd from here on
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = f.read()
+        data = read_regular_file(file)
         data.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+    except (OSError, ValueError):  # NotARegularFile and UnicodeDecodeError are ValueErrors
         return None
     if b"\0" in data or not data:
         return None

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ import torch
 
 from .data import PAD_VALUES
 from .errors import InputError
+from .files import NotARegularFile, read_regular_file
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 
@@ -233,19 +232,13 @@ def read_json_file(file: Path):
     from .checkpoint import CheckpointError
 
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        data = read_regular_file(file, MAX_JSON_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointError(f"{file} cannot be read: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{file} is not a regular file")
-        if info.st_size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{file} is {info.st_size:,} bytes, more than a config holds "
-                                  f"({MAX_JSON_BYTES:,} at most)")
-        data = handle.read(MAX_JSON_BYTES + 1)
+    except NotARegularFile as exc:
+        raise CheckpointError(str(exc)) from None
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
