@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[plot,tensorboard,hf,test]'
+	$(BIN)/pip install --quiet -e '.[plot,tensorboard,hf,trackers,test]'
 	touch $@
 
 setup: $(STAMP)

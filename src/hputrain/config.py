@@ -155,7 +155,7 @@ EXECUTION_MODES = ("auto", "eager", "lazy", "compile")
 ACCELERATOR_NAMES = ("auto", "hpu", "cuda", "mps", "cpu")
 # optim: whether it asks for the device's fused AdamW (None: the device's default).
 OPTIMIZERS = {"auto": None, "adamw_torch": False, "adamw_torch_fused": True, "adamw_hpu": True}
-REPORT_TARGETS = ("tensorboard", "all", "none")
+REPORT_TARGETS = ("tensorboard", "mlflow", "wandb", "all", "none")
 
 
 def _refuse_unknown_keywords(cls):
@@ -312,8 +312,33 @@ class TrainingArguments:
     """Drop the dataset columns the model's forward does not take (a text column) before the
     data_collator sees them; labels are kept."""
     report_to: list[str] | str | None = None
-    """Where metrics go besides metrics.jsonl: "tensorboard" (or "all") or "none"; unset means
-    TensorBoard when it is installed. Read as a list."""
+    """Where metrics go besides metrics.jsonl: "tensorboard", "mlflow", "wandb" (a list for
+    several), "all" (those installed) or "none"; unset means TensorBoard when it is installed.
+    Read as a list."""
+    load_best_model_at_end: bool = False
+    """At the end of training, load the checkpoint with the best metric_for_best_model (needs
+    evaluation at every save: eval_steps dividing save_steps, or both strategies "epoch")."""
+    metric_for_best_model: str | None = None
+    """The evaluation metric that ranks checkpoints ("eval_loss" when unset); the "eval_" prefix
+    may be left out."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better; unset: False for a loss, else True."""
+    dataloader_num_workers: int = 0
+    """Worker processes that load and collate batches ahead of the step (0: in the training
+    process). Resume stays exact with workers."""
+    dataloader_pin_memory: bool = True
+    """Put batches in pinned host memory when the device can copy from it asynchronously."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches each worker prepares ahead; unset: torch's default (2) with workers."""
+    pad_to_multiple_of: int | None = None
+    """The default collator pads ragged sequences to a multiple of this many tokens."""
+    length_buckets: int | None = None
+    """The default collator pads ragged sequences up to the nearest of this many lengths, spaced
+    evenly up to the model's maximum length, so lazy mode and graphs see a bounded number of
+    shapes (Optimum for Intel Gaudi pads for the same reason)."""
+    fused_kernels: bool | str = "auto"
+    """The device's fused kernels in Hugging Face models (attention through transformers'
+    AttentionInterface, RMSNorm by a module swap): "auto" (on where not slower), True or False."""
 
     # Hugging Face's and Optimum for Intel Gaudi's spellings, translated into the fields above
     # when the arguments are made (they then read as unset), so that their scripts run as written.
@@ -328,11 +353,13 @@ class TrainingArguments:
     with torch_compile)."""
     eval_strategy: str | None = None
     """Hugging Face's: "steps" evaluates every eval_steps (logging_steps when eval_steps is 0);
-    "no" is eval_steps=0 (evaluate only at the end, and only given an eval_dataset)."""
+    "epoch" at the end of every epoch; "no" is eval_steps=0 (evaluate only at the end, and only
+    given an eval_dataset)."""
     save_strategy: str | None = None
-    """Hugging Face's: "steps" saves every save_steps; "no" is save_steps=-1."""
+    """Hugging Face's: "steps" saves every save_steps; "epoch" at the end of every epoch; "no" is
+    save_steps=-1."""
     logging_strategy: str | None = None
-    """Hugging Face's: "steps" logs every logging_steps (the only way hputrain logs)."""
+    """Hugging Face's: "steps" logs every logging_steps; "epoch" at the end of every epoch."""
     fsdp_transformer_layer_cls_to_wrap: list[str] | str | None = None
     """Hugging Face's spelling of fsdp_block_classes."""
     overwrite_output_dir: bool = False
@@ -413,6 +440,22 @@ class TrainingArguments:
                "keep one (warmup_steps=0 to use the ratio)")
         check_choice("optim", self.optim, OPTIMIZERS, foreign=vocabulary.OPTIMIZERS)
         self.report_to = report_targets(self.report_to)
+        self._check_data_loading()
+        self.fused_kernels = {"true": True, "false": False}.get(str(self.fused_kernels).lower(),
+                                                                 self.fused_kernels)
+        check_choice("fused_kernels", self.fused_kernels, ("auto", True, False))
+
+    def _check_data_loading(self) -> None:
+        _check(self.dataloader_num_workers >= 0,
+               f"dataloader_num_workers must not be negative, got {self.dataloader_num_workers}")
+        _check(self.dataloader_prefetch_factor is None or self.dataloader_prefetch_factor >= 1,
+               f"dataloader_prefetch_factor must be at least 1, got {self.dataloader_prefetch_factor}")
+        _check(self.dataloader_prefetch_factor is None or self.dataloader_num_workers > 0,
+               "dataloader_prefetch_factor needs dataloader_num_workers > 0")
+        _check(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+               f"pad_to_multiple_of must be at least 1, got {self.pad_to_multiple_of}")
+        _check(self.length_buckets is None or self.length_buckets >= 1,
+               f"length_buckets must be at least 1, got {self.length_buckets}")
 
     def _check_fsdp(self) -> None:
         """fsdp (Hugging Face's words) becomes strategy="fsdp" and one of FSDP_MODES; the fsdp
@@ -459,8 +502,10 @@ class TrainingArguments:
         for name, strategy in (("eval", self.eval_strategy), ("save", self.save_strategy),
                                ("logging", self.logging_strategy)):
             if strategy is not None:
-                check_choice(f"{name}_strategy", strategy, ("steps", "no"), foreign=vocabulary.STRATEGIES)
+                check_choice(f"{name}_strategy", strategy, ("steps", "epoch", "no"),
+                             foreign=vocabulary.STRATEGIES)
         # As in the Hugging Face Trainer, the strategy decides and *_steps only sets the interval.
+        # "epoch" stays: the steps of an epoch are known when training starts (trainer.py).
         if self.eval_strategy == "steps" and self.eval_steps == 0:
             self.eval_steps = self.logging_steps
         if self.eval_strategy == "no":
@@ -470,7 +515,10 @@ class TrainingArguments:
         _check(self.logging_strategy != "no",
                "logging_strategy='no' is not supported: hputrain always logs; raise logging_steps")
         self.use_cpu = self.no_cuda = self.use_habana = False
-        self.use_lazy_mode = self.eval_strategy = self.save_strategy = self.logging_strategy = None
+        self.use_lazy_mode = None
+        self.eval_strategy, self.save_strategy, self.logging_strategy = (
+            None if s != "epoch" else s
+            for s in (self.eval_strategy, self.save_strategy, self.logging_strategy))
 
     def _set(self, name: str, value: str, because: str) -> None:
         current = getattr(self, name)
@@ -483,72 +531,17 @@ class TrainingArguments:
         return cls(**checked_values(cls, read_mapping(path) | overrides, f"config file {path}"))
 
 
-# -- AcceleratorConfig (GaudiConfig-compatible) ---------------------------------------------------
-
-# Keys that published GaudiConfig files carry as provenance, with no effect on a run.
-_GAUDI_METADATA_KEYS = ("optimum_version", "transformers_version", "_name_or_path")
-
-
-@dataclass(kw_only=True)
-class AcceleratorConfig:
-    """Device-specific tuning, read from GaudiConfig JSON files as published (current and legacy).
-    On devices other than Gaudi, the mixed-precision lists still apply; the fused kernels map to
-    the device's own."""
-
-    use_fused_adam: bool | None = None
-    """Use the device's fused AdamW (Gaudi FusedAdamW); unset means the device default."""
-    use_fused_clip_norm: bool | None = None
-    """Use the device's fused gradient clipping (Gaudi FusedClipNorm); unset means the default."""
-    use_torch_autocast: bool = False
-    """Mixed precision with torch.autocast and the op lists below."""
-    autocast_bf16_ops: list[str] | None = None
-    """Ops that run in bfloat16 under autocast."""
-    autocast_fp32_ops: list[str] | None = None
-    """Ops that stay in float32 under autocast."""
-    use_dynamic_shapes: bool = False
-    """Gaudi: allow dynamic shapes in graphs."""
-    use_habana_mixed_precision: bool = False
-    """Legacy Habana Mixed Precision; mapped onto autocast with the hmp op lists."""
-    hmp_opt_level: str = "O1"
-    """Legacy HMP optimisation level (recorded; O1 is the only level with op lists)."""
-    hmp_is_verbose: bool = False
-    """Legacy HMP verbosity (recorded, no effect)."""
-    hmp_bf16_ops: list[str] | None = None
-    """Legacy name of autocast_bf16_ops."""
-    hmp_fp32_ops: list[str] | None = None
-    """Legacy name of autocast_fp32_ops."""
-    log_device_mem_alloc: bool = False
-    """Legacy: log device memory (hputrain logs memory every logging step regardless)."""
-
-    def __post_init__(self) -> None:
-        _check(not (self.use_habana_mixed_precision and self.use_torch_autocast),
-               "use_habana_mixed_precision and use_torch_autocast cannot both be true")
-        check_choice("hmp_opt_level", self.hmp_opt_level, ("O1", "O2"))
-        if self.use_habana_mixed_precision:
-            # Legacy HMP lists become the autocast lists, unless the file gives those too.
-            self.autocast_bf16_ops = self.autocast_bf16_ops or self.hmp_bf16_ops
-            self.autocast_fp32_ops = self.autocast_fp32_ops or self.hmp_fp32_ops
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether this config asks for bf16 mixed precision (current or legacy spelling)."""
-        return self.use_torch_autocast or self.use_habana_mixed_precision
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "AcceleratorConfig":
-        return cls(**checked_values(cls, read_mapping(path), f"accelerator config {path}",
-                                    ignore=_GAUDI_METADATA_KEYS))
-
-
 def report_targets(value) -> list[str] | None:
-    """report_to as a list: [] for "none", ["tensorboard"] for "tensorboard" or "all" (the one
-    integration hputrain has); None stays None (TensorBoard when installed)."""
+    """report_to as a list of trackers: [] for "none"; "all" stays ["all"] (every tracker that
+    is installed, decided when training starts); None stays None (TensorBoard when installed)."""
     if value is None:
         return None
     names = list(value) if isinstance(value, (list, tuple)) else [value]
     for name in names:
         check_choice("report_to", name, REPORT_TARGETS, foreign=vocabulary.REPORTERS)
-    return [] if not names or "none" in names else ["tensorboard"]
+    if not names or "none" in names:
+        return []
+    return ["all"] if "all" in names else list(dict.fromkeys(names))
 
 
 def check_trainer_kwargs(kwargs: dict) -> None:
@@ -578,3 +571,4 @@ def as_training_arguments(args) -> TrainingArguments:
 
 
 from . import vocabulary  # noqa: E402  (its tables name fields defined above)
+from .accelerator_config import AcceleratorConfig  # noqa: E402,F401  (imported from here too)

@@ -11,6 +11,7 @@ import os
 import stat
 import sysconfig
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -259,6 +260,15 @@ def model_input_names(model: torch.nn.Module) -> frozenset[str] | None:
     return named
 
 
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How training batches are loaded (TrainingArguments' dataloader_* fields)."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+
+
 class MicroBatches:
     """This rank's micro-batches, in an order fixed by (seed, epoch).
 
@@ -269,8 +279,10 @@ class MicroBatches:
     """
 
     def __init__(self, dataset, collate, batch_size: int, accumulate: int = 1, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 loading: LoaderOptions = LoaderOptions()):
         self.dataset, self.collate = dataset, collate
+        self.loading = loading  # TODO(issue 17): worker processes
         self.batch_size, self.accumulate = batch_size, accumulate
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last

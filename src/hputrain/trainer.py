@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import checkpoint, execution
+from . import checkpoint, execution, export, kernels
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments, as_training_arguments, check_trainer_kwargs
-from .data import LABEL_NAMES, MicroBatches, default_collate, model_input_names, to_device
+from .data import LABEL_NAMES, LoaderOptions, MicroBatches, default_collate, model_input_names, to_device
 from .distributed import ProcessGroup, select_strategy
 from .distributed.checkpointing import apply_activation_checkpointing
 from .distributed.context_parallel import ContextParallel, NoContextParallel
@@ -63,6 +63,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None,
+                 compute_metrics=None, callbacks=None, processing_class=None,
                  **unsupported) -> None:
         check_trainer_kwargs(unsupported)  # the Hugging Face Trainer's names: one line on what to use
         self.args = execution.adjust_args(as_training_arguments(args))
@@ -87,7 +88,12 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collate
         self.compute_loss = compute_loss
+        self.compute_metrics = compute_metrics  # (predictions, label_ids) -> dict, for evaluate()
+        self.callbacks = list(callbacks or [])  # TODO(issue 17): callbacks.py
+        self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.args, self.group, self.accelerator, self.precision)
+        # the device's attention and RMSNorm kernels in a Hugging Face model (kernels.py)
+        self.kernels = kernels.substitute(model, self.accelerator, self.args.fused_kernels)
         # on the device, except a meta-device model, which fsdp shards before it materialises it
         self.model = self.strategy.place(self.precision.convert_module(model), self.device)
         apply_activation_checkpointing(self.model, self.args)  # before the strategy wraps it
@@ -432,7 +438,15 @@ class Trainer:
             raise InputError("train() needs a train_dataset")
         return MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
                             self.args.gradient_accumulation_steps, self.group.dp_rank,
-                            self.group.dp_size, self.args.seed)
+                            self.group.dp_size, self.args.seed, loading=self._loading())
+
+    def _loading(self) -> LoaderOptions:
+        """How batches are loaded: worker processes, pinned memory (only where the device copies
+        from it asynchronously), batches prepared ahead."""
+        args = self.args
+        return LoaderOptions(args.dataloader_num_workers,
+                             args.dataloader_pin_memory and self.accelerator.pins_memory(),
+                             args.dataloader_prefetch_factor)
 
     def _eval_batches(self, dataset):
         """(batch, real) pairs of this rank's share. Under a strategy whose forward is a
@@ -473,7 +487,7 @@ class Trainer:
             return MetricSinks(None)
         report_to = self.args.report_to  # None: TensorBoard when installed
         return MetricSinks(self.args.output_dir, total_steps, start_step, progress=not self.args.disable_tqdm,
-                           tensorboard=None if report_to is None else "tensorboard" in report_to)
+                           tensorboard=None if report_to is None else bool({"tensorboard", "all"} & set(report_to)))
 
     def _flops_per_token(self) -> float:
         if hasattr(self.model, "flops_per_token"):
@@ -483,6 +497,13 @@ class Trainer:
     def _peak_flops(self) -> tuple[float | None, float | None]:
         """(published, measured) peak FLOP/s of the job for the precision's compute dtype."""
         return job_peak_flops(self.accelerator, self.precision.compute_dtype, self.group.world_size)
+
+    # -- output and checkpoints ----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None) -> None:
+        """What `save_pretrained` writes, into `output_dir` (default: args.output_dir/final):
+        see export.py. Every rank calls it (a sharded model is gathered first)."""
+        folder = output_dir if output_dir is not None else f"{self.args.output_dir}/final"
+        export.save_model(self.model, folder, tokenizer=self.processing_class, group=self.group)
 
     # -- checkpoints and signals ---------------------------------------------------------------
     def _state(self, batches: MicroBatches) -> dict:

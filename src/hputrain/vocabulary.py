@@ -12,8 +12,8 @@ from . import config
 
 _YET = "is not supported yet"
 _FP16 = "is not supported: use bf16=True (Gaudi has no fp16 training path)"
-_BEST = (f"{_YET}: keep checkpoints with save_steps and save_total_limit and pick one by the "
-         "eval_loss in metrics.jsonl")
+_BEST = ("is not supported: save with save_steps or save_strategy='epoch' and set "
+         "load_best_model_at_end=True with metric_for_best_model")
 _CHECKPOINTING = "is not needed: gradient_checkpointing=True checkpoints non-reentrant (use_reentrant=False)"
 _ACTIVATION = "is spelled gradient_checkpointing here (with gradient_checkpointing_every)"
 _SCALE = f"{_YET}: strategy is one of {', '.join(config.STRATEGIES)}, with context_parallel_size"
@@ -31,7 +31,7 @@ _GENERIC = """average_tokens_across_devices use_liger_kernel liger_kernel_config
     eval_accumulation_steps include_for_metrics include_inputs_for_metrics batch_eval_metrics
     save_only_model save_on_each_node enable_jit_checkpoint ignore_data_skip
     restore_callback_states_from_checkpoint full_determinism dataloader_drop_last
-    dataloader_num_workers dataloader_persistent_workers dataloader_prefetch_factor
+    dataloader_persistent_workers 
     dataloader_multiprocessing_context dataloader_in_order label_names train_sampling_strategy
     group_by_length length_column_name ddp_broadcast_buffers ddp_static_graph debug
     skip_memory_metrics past_index ray_scope torchdynamo split_batches dispatch_batches
@@ -47,7 +47,6 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "half_precision_backend": "is not needed: bf16=True uses the device's autocast",
     "bf16_full_eval": f"{_YET}: evaluation runs in the training precision (bf16=True)",
     "tf32": f"{_YET}: call torch.set_float32_matmul_precision('high') in your script",
-    "load_best_model_at_end": _BEST, "metric_for_best_model": _BEST, "greater_is_better": _BEST,
     "gradient_checkpointing_kwargs": _CHECKPOINTING, "activation_checkpointing": _ACTIVATION,
     "activation_checkpointing_kwargs": _CHECKPOINTING,
     "fsdp_config": _FSDP_CONFIG, "fsdp_min_num_params": _FSDP_WRAP, "deepspeed": _SCALE,
@@ -74,7 +73,6 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "local_rank": "is not needed: `hputrain launch` sets LOCAL_RANK and the trainer reads it",
     "logging_dir": "is not needed: metrics.jsonl and tensorboard/ are written to output_dir",
     "save_safetensors": "is not needed: checkpoints are always safetensors",
-    "dataloader_pin_memory": "is spelled non_blocking_data_copy here (pinned memory, asynchronous copy)",
     "label_smoothing_factor": f"{_YET}: pass Trainer(compute_loss=...) with "
                               "torch.nn.functional.cross_entropy(..., label_smoothing=...)",
     "lr_scheduler_kwargs": f"{_YET}: lr_scheduler_type is one of {', '.join(config.SCHEDULES)}",
@@ -98,23 +96,16 @@ OPTIMIZERS = {name: f"{_YET}: hputrain trains with AdamW ({', '.join(config.OPTI
                   schedule_free_radam schedule_free_adamw schedule_free_sgd apollo_adamw
                   apollo_adamw_layerwise stable_adamw""".split()}
 STRATEGIES = {
-    "epoch": f"{_YET}: give the steps of an epoch as eval_steps, save_steps or logging_steps",
     "best": _BEST,
 }
 REPORTERS = {name: f"{_YET}: hputrain writes metrics.jsonl and TensorBoard "
-                       "(report_to='tensorboard' or 'none')" for name in
-                 """azure_ml clearml codecarbon comet_ml dagshub dvclive flyte mlflow neptune swanlab
-                 trackio wandb""".split()}
+                       "(report_to='tensorboard', 'mlflow', 'wandb' or 'none')" for name in
+                 """azure_ml clearml codecarbon comet_ml dagshub dvclive flyte neptune swanlab
+                 trackio""".split()}
 
 TRAINER_KWARGS = {
-    "processing_class": "is not needed: tokenize the dataset first (a data_collator pads); "
-                        "save the tokenizer with its own save_pretrained",
-    "tokenizer": "is not needed: tokenize the dataset first (a data_collator pads); "
-                 "save the tokenizer with its own save_pretrained",
-    "compute_metrics": f"{_YET}: evaluate() gives eval_loss; compute other metrics from "
-                       "predict()'s predictions and label_ids",
-    "preprocess_logits_for_metrics": f"{_YET}: compute metrics from predict()'s predictions",
-    "callbacks": f"{_YET}: every logging step's record is appended to output_dir/metrics.jsonl",
+    "tokenizer": "is spelled processing_class here (saved beside the model by save_model)",
+    "preprocess_logits_for_metrics": f"{_YET}: reduce the logits inside compute_metrics",
     "optimizers": f"{_YET}: the Trainer makes AdamW from args (learning_rate, weight_decay, "
                   "adam_*, optim) and the schedule from lr_scheduler_type and warmup_steps",
     "optimizer_cls_and_kwargs": f"{_YET}: the Trainer makes AdamW from args (learning_rate, "

@@ -147,6 +147,11 @@ class Accelerator(ABC):
         as a device tensor (no host read-back)."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
 
+    def pins_memory(self) -> bool:
+        """Whether batches in pinned host memory reach this device by an asynchronous copy (a
+        CPU run has no copy to speed up)."""
+        return False
+
     # -- graphs --------------------------------------------------------------------------------
     def graph_compiles(self) -> int | None:
         """Graphs compiled so far in lazy mode (None where the device does not count them)."""

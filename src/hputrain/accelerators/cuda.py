@@ -41,6 +41,9 @@ class CUDAAccelerator(Accelerator):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def pins_memory(self) -> bool:
+        return True
+
     def memory_stats(self) -> dict[str, float]:
         _, total = torch.cuda.mem_get_info()
         return {

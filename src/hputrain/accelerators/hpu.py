@@ -121,6 +121,9 @@ class HPUAccelerator(Accelerator):
     def synchronize(self) -> None:
         self._runtime().synchronize()
 
+    def pins_memory(self) -> bool:
+        return True
+
     # -- numbers -------------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, float]:
         stats = self._runtime().memory_stats()
