@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from hputrain import Trainer, TrainingArguments, execution
+from hputrain import Trainer, TrainingArguments
+from hputrain.callbacks import Callback
 from hputrain.data import load_corpus
 from hputrain.models.gpt import GPTConfig
 
@@ -80,38 +81,26 @@ def print_table(accelerator, opts, runs: dict[str, list[float]], baseline: str, 
     print({name: [round(v * 1e3, 2) for v in values] for name, values in runs.items()})
 
 
-class _StepTimes(execution.StepWatch):
-    def __init__(self, synchronize):
-        self.synchronize, self.stamps = synchronize, []
+class StepTimes(Callback):
+    """Stamps the end of every optimizer step, once the device has finished it."""
 
-    def step_end(self, step, batch):
-        self.synchronize()
+    def __init__(self):
+        self.stamps = []
+
+    def on_step_end(self, trainer):
+        trainer.accelerator.synchronize()
         self.stamps.append(time.perf_counter())
 
 
-class _Timing(execution.Session):
-    """Stamps the end of every optimizer step of the trainers made while installed."""
-
-    def __init__(self):
-        self.watches = []
-
-    def watch(self, args, accelerator):
-        self.watches.append(_StepTimes(accelerator.synchronize))
-        return self.watches[-1]
-
-
 def trainer_step_time(model, data, opts, accelerator_config=None, output_dir=None, **training) -> float:
-    """Median step time of `model` trained by hputrain's Trainer, timed by its own step hook.
+    """Median step time of `model` trained by hputrain's Trainer, timed by a callback's step hook.
     `output_dir` (a temporary one when None) must be shared by all ranks of a multi-process run."""
-    session = _Timing()
-    execution.install_session(session)
-    try:
-        torch.manual_seed(0)
-        with tempfile.TemporaryDirectory() as scratch:
-            args = TrainingArguments(output_dir=output_dir or scratch, max_steps=opts.steps,
-                                     learning_rate=1e-3, logging_steps=10, save_steps=0,
-                                     disable_tqdm=True, per_device_train_batch_size=opts.batch, **training)
-            Trainer(model, args, train_dataset=data, accelerator_config=accelerator_config).train()
-    finally:
-        execution.install_session(None)
-    return median_step(session.watches[-1].stamps, opts.warmup)
+    times = StepTimes()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        args = TrainingArguments(output_dir=output_dir or scratch, max_steps=opts.steps,
+                                 learning_rate=1e-3, logging_steps=10, save_steps=0,
+                                 disable_tqdm=True, per_device_train_batch_size=opts.batch, **training)
+        Trainer(model, args, train_dataset=data, accelerator_config=accelerator_config,
+                callbacks=[times]).train()
+    return median_step(times.stamps, opts.warmup)

@@ -1,7 +1,7 @@
 """Execution modes: eager vs compile (torch.compile, inductor) vs lazy (torch._lazy on the CPU) step
 time for the built-in GPT, interleaved repeats, median step time after warm-up.
 
-Steps are timed by the trainer's own step hook (execution.StepWatch), so set-up, compilation
+Steps are timed by a callback's on_step_end (common.StepTimes), so set-up, compilation
 before the first step ends, and the end of the run do not count.
 
     python bench/execution_modes.py [--modes eager compile lazy] [--steps 40] [--warmup 10] [--repeats 3] [--bf16]

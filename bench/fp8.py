@@ -18,12 +18,13 @@ import tempfile
 
 import torch
 
-from hputrain import Trainer, TrainingArguments, execution
+from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
+from hputrain.data import to_device
 from hputrain.telemetry import SavedForBackward
 
-from common import _Timing, bf16_where_native, machine, median_step, model_and_data, parser
+from common import StepTimes, bf16_where_native, machine, median_step, model_and_data, parser
 
 SETTINGS = {
     "bf16": {"bf16": True},
@@ -35,25 +36,24 @@ SETTINGS = {
 def saved_bytes(trainer, batch) -> int:
     """Bytes one training forward pass keeps for backward (storages once, parameters left out)."""
     with SavedForBackward() as saved:
-        trainer._loss(trainer._on_device(batch))
+        trainer._loss(to_device(batch, trainer.device))
     return saved.nbytes
 
 
 def one_run(opts, setting: str) -> dict:
     """Train with `setting` in this process; its step time and memory."""
     config, data = model_and_data(opts)
-    session = _Timing()
-    execution.install_session(session)
+    times = StepTimes()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(output_dir=scratch, max_steps=opts.steps, learning_rate=1e-3,
                                  logging_steps=10, save_steps=0, disable_tqdm=True,
                                  per_device_train_batch_size=opts.batch, **SETTINGS[setting])
-        trainer = Trainer(GPT(config), args, train_dataset=data)
+        trainer = Trainer(GPT(config), args, train_dataset=data, callbacks=[times])
         trainer.train()
     peak = trainer.accelerator.memory_stats()["max_memory_allocated_gb"]
     batch = trainer.collate([data[i] for i in range(opts.batch)])
-    return {"step_s": median_step(session.watches[-1].stamps, opts.warmup), "peak_gb": peak,
+    return {"step_s": median_step(times.stamps, opts.warmup), "peak_gb": peak,
             "saved_bytes": saved_bytes(trainer, batch), "fp8_layers": len(getattr(trainer.precision, "layers", []))}
 
 

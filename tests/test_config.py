@@ -196,7 +196,7 @@ def test_nan_in_a_json_file(tmp_path):
     ({"max_corpus_bytes": 0}, "max_corpus_bytes must be at least 1"),
 ])
 def test_recipe_options(options, match):
-    from hputrain.recipe import RecipeOptions
+    from hputrain.recipes import RecipeOptions
 
     with pytest.raises(ConfigError, match=match):
         RecipeOptions(**options)

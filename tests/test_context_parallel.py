@@ -36,6 +36,17 @@ def test_attention_matches_unsplit_attention(tmp_path):
     assert max(diffs.values()) < 1e-5, diffs
 
 
+@pytest.mark.slow
+@pytest.mark.ci
+def test_hugging_face_llama_matches_unsplit_through_registered_attention(tmp_path):
+    pytest.importorskip("transformers")
+    launch(2, str(ROOT / "tests" / "cp_attention_script.py"), str(tmp_path / "diffs.json"), "hf")
+    diffs = json.loads((tmp_path / "diffs.json").read_text())
+    # every layer's attention went through hputrain's attention into the context-parallel one
+    assert diffs["routed"] == diffs["substituted"] == 2, diffs
+    assert diffs["logits"] < 1e-5 and diffs["grad"] < 1e-5, diffs
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cp1")
@@ -85,7 +96,7 @@ def test_shard_cuts_every_sequence_tensor_and_offsets_positions():
     second = ContextParallel(group=None, rank=1, size=2).shard(batch)
     assert second["input_ids"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
     assert second["labels"][0].tolist() == [104, 105, 106, 107]
-    assert second["position_ids"].tolist() == [4, 5, 6, 7] and second["weight"].shape == (2,)
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7]] * 2 and second["weight"].shape == (2,)
 
 
 def test_mesh_shape_is_validated():

@@ -136,7 +136,7 @@ def test_precision_auto_in_arguments_and_the_recipe():
     args = TrainingArguments(precision="AUTO")
     assert args.precision == "auto" and args.bf16 is False  # decided by the device at start
     assert TrainingArguments(precision="auto", bf16=True).bf16 is True
-    from hputrain.recipe import resolve_settings
+    from hputrain.recipes import resolve_settings
 
     assert resolve_settings({})[1].precision == "auto"
 

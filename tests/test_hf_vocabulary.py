@@ -165,7 +165,7 @@ def test_cli_refuses_in_one_line_exit_2(capsys, no_saved_defaults, tmp_path, arg
 
 def test_cli_takes_the_supported_names(no_saved_defaults):
     from hputrain.cli import build_parser
-    from hputrain.recipe import resolve_settings
+    from hputrain.recipes import resolve_settings
 
     args = build_parser().parse_args([
         "train", "--use-cpu", "--use-lazy-mode", "--save-strategy", "no", "--optim", "adamw_hpu",

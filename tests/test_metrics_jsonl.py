@@ -5,7 +5,8 @@ import json
 import pytest
 
 from hputrain.errors import InputError
-from hputrain.telemetry import MetricSinks, open_jsonl
+from hputrain.callbacks import MetricsFile
+from hputrain.telemetry import open_jsonl
 
 WHOLE = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
 
@@ -15,9 +16,10 @@ def records(path):
 
 
 def append(folder, record):
-    sinks = MetricSinks(folder, progress=False)
-    sinks.write(record)
-    sinks.close()
+    sink = MetricsFile(folder)
+    sink.open()
+    sink.write(record)
+    sink.close()
 
 
 @pytest.mark.parametrize("tail, kept", [

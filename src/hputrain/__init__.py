@@ -6,8 +6,9 @@ resolved once, in the entry point, and passed down.
 __version__ = "0.1.0"
 
 from .accelerators import detect_accelerator
+from .callbacks import Callback, EarlyStopping
 from .precision import autocast
 from .config import AcceleratorConfig, TrainingArguments
 from .trainer import Trainer
 
-__all__ = ["AcceleratorConfig", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]
+__all__ = ["AcceleratorConfig", "Callback", "EarlyStopping", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]

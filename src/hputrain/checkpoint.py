@@ -6,6 +6,12 @@ written by rank 0), or `ShardedState` (checkpoint_sharded.py: every rank writes 
 torch.distributed.checkpoint into sharded/) under a strategy whose `shards_state` is True.
 Loading reads the state the way the folder holds it.
 
+A model with frozen parameters (a PEFT LoRA model's base) is saved as its trainable parameters
+only (TRAINABLE_FILE, or their shards), named in TRAINABLE_RECORD, with their optimizer state.
+Resuming loads them into the model built again from the same base, and refuses a checkpoint whose
+trainable names are not the model's. A PEFT model's folder also gets adapter_model.safetensors
+and adapter_config.json, so `PeftModel.from_pretrained(base, checkpoint)` loads it.
+
 The folder (the model and optimizer state, config.json as the model's library writes it,
 scheduler.pt, trainer_state.json, rng_state_RANK.pt, and model_extra_state.pt where layers have
 extra state, such as fp8 scaling) is assembled in a hidden `.tmp-checkpoint-STEP` and renamed into
@@ -26,7 +32,6 @@ import errno
 import fcntl
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -39,11 +44,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .checkpoint_checks import check_optimizer_state, check_trainer_state
+from .checkpoint_checks import (
+    check_optimizer_state,
+    check_trainable_names,
+    check_trainer_state,
+    has_frozen_parameters,
+    trainable_names,
+)
+from .checkpoint_checks import load_failure_reason as _reason
 from .checkpoint_sharded import SHARDED_DIR, ShardedState
 from .errors import InputError
 
 MODEL_FILE = "model.safetensors"
+# a model with frozen parameters (a LoRA's base): its trainable parameters only
+TRAINABLE_FILE = "trainable.safetensors"
+TRAINABLE_RECORD = "trainable_parameters.json"  # {"parameters": [the names saved]}
+ADAPTER_FILE = "adapter_model.safetensors"  # a PEFT model's adapter, as PEFT saves it (export.py)
 EXTRA_STATE_FILE = "model_extra_state.pt"  # layers' get_extra_state(), e.g. fp8 amax histories
 _EXTRA = "_extra_state"  # the suffix torch gives those entries in state_dict()
 OPTIMIZER_FILE = "optimizer.pt"
@@ -203,14 +219,18 @@ def _on_cpu(obj):
     return obj
 
 
-def _model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+def _model_state(model: torch.nn.Module,
+                 trainable_only: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """The model's tensors on the CPU, each once (a tied weight, an embedding shared with the
     output layer, under its first name; `_load_model` fills in the others), and apart from them
-    the layers' extra state (not tensors: EXTRA_STATE_FILE holds it)."""
+    the layers' extra state (not tensors: EXTRA_STATE_FILE holds it). `trainable_only` keeps
+    the parameters that require grad, named as `trainable_names` names them."""
     seen, tensors, extra = set(), {}, {}
     for name, value in model.state_dict(keep_vars=True).items():
         if name.endswith(_EXTRA):
             extra[name] = _on_cpu(value)
+        elif trainable_only and not (isinstance(value, torch.nn.Parameter) and value.requires_grad):
+            continue
         elif id(value) not in seen:
             seen.add(id(value))
             tensors[name] = value.detach().cpu().contiguous()
@@ -266,30 +286,49 @@ def _write_model_config(model: torch.nn.Module, folder: Path) -> None:
         _write_text(path, json.dumps(dataclasses.asdict(config), indent=2, default=str))
 
 
+def write_trainable_files(folder: Path, model, tensors: dict[str, torch.Tensor]) -> None:
+    """Rank 0, for a model with frozen parameters: TRAINABLE_RECORD naming the trainable
+    parameters saved, and for a PEFT model its adapter files from `tensors` (those parameters,
+    whole and on the CPU)."""
+    from . import export  # export.py imports this module
+
+    _write_text(folder / TRAINABLE_RECORD, json.dumps({"parameters": list(tensors)}, indent=2))
+    with _writing(folder / ADAPTER_FILE):
+        export.write_adapter(model, folder, tensors)
+
+
 class FullState:
     """The whole model and optimizer state, written by rank 0: MODEL_FILE (safetensors, each
-    tensor once), EXTRA_STATE_FILE where layers have extra state, and OPTIMIZER_FILE."""
+    tensor once), or TRAINABLE_FILE and its record for a model with frozen parameters,
+    EXTRA_STATE_FILE where layers have extra state, and OPTIMIZER_FILE."""
 
     shards = False
 
     @staticmethod
     def found_in(folder: Path) -> bool:
-        return (folder / MODEL_FILE).is_file()
+        return (folder / MODEL_FILE).is_file() or (folder / TRAINABLE_FILE).is_file()
 
     def write(self, folder: Path, *, model, optimizer, rank: int) -> None:
         if rank != 0:
             return
-        tensors, extra = _model_state(model)
-        with _writing(folder / MODEL_FILE):
-            save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
-            _fsync(folder / MODEL_FILE)
+        frozen = has_frozen_parameters(model)
+        tensors, extra = _model_state(model, trainable_only=frozen)
+        file = folder / (TRAINABLE_FILE if frozen else MODEL_FILE)
+        with _writing(file):
+            save_file(tensors, str(file), metadata={"format": "pt"})
+            _fsync(file)
+        if frozen:
+            write_trainable_files(folder, model, tensors)
         if extra:
             _torch_save(extra, folder / EXTRA_STATE_FILE)
         if optimizer is not None:
             _torch_save(_on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
 
     def load(self, folder: Path, *, model, optimizer, rank: int) -> None:
-        _load_model(model, folder)
+        if (folder / TRAINABLE_FILE).exists():
+            _load_trainable(model, folder)
+        else:
+            _load_model(model, folder)
         # optimizer.load_state_dict moves its state to each parameter's device
         if optimizer is not None:
             with _reading(folder / OPTIMIZER_FILE):
@@ -315,15 +354,6 @@ def write_common_files(folder: str | os.PathLike, step: int, *, model, scheduler
     if scheduler is not None:
         _torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
     _write_text(folder / STATE_FILE, text)
-
-
-def write_rank0_files(folder: str | os.PathLike, step: int, *, model, optimizer, scheduler,
-                      state: dict) -> None:
-    """A one-process full checkpoint's files: the model and its configuration, the optimizer,
-    scheduler and trainer state (with "step" added). An optimizer or scheduler of None is skipped."""
-    json.dumps(state)  # fail before writing anything
-    FullState().write(Path(folder), model=unwrap_model(model), optimizer=optimizer, rank=0)
-    write_common_files(folder, step, model=model, scheduler=scheduler, state=state)
 
 
 def finalize(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
@@ -417,31 +447,6 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
 
 
 # -- loading -----------------------------------------------------------------------------------
-# Sentences of torch's weights_only messages that advise rather than explain, whatever the
-# version's wording. They are never shown: one says to load with weights_only=False, which runs
-# whatever code the file holds.
-_ADVICE = ("weights only load failed", "in pytorch 2.6", "weights_only` set to `false`",
-           "weights_only=false", "re-running", "arbitrary code", "trusted source", "if you trust",
-           "trust the source", "can still be loaded", "alternatively, to load", "please use",
-           "please file an issue", "check the documentation", "add_safe_globals([")
-
-
-def _reason(exc: BaseException) -> str:
-    """One line saying why a file did not load: torch's weights_only message is a page of advice
-    around one sentence of reason ("unsupported GLOBAL posix.system"); only the reason is kept."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch puts terminal bold in it
-    text = text.replace("WeightsUnpickler error:", "\n")  # what follows is the reason
-    sentences = (part.strip() for part in re.split(r"(?<=\.)\s+|\n", text))
-    kept = " ".join(part for part in sentences
-                    if part and not any(words in part.lower() for words in _ADVICE))
-    text = " ".join(kept.split()).rstrip(".")
-    if isinstance(exc, pickle.UnpicklingError):
-        text = (f"torch.load(weights_only=True) refused it ({text})" if text else
-                "torch.load(weights_only=True) refused it: it holds more than tensors and plain data")
-    text = text or type(exc).__name__
-    return text if len(text) <= 300 else text[:294] + " (...)"
-
-
 @contextmanager
 def _reading(file: Path) -> Iterator[None]:
     """Turn any failure while loading `file` into a CheckpointError that names it."""
@@ -464,7 +469,8 @@ def _check_folder(folder: Path) -> None:
         raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
     if not folder.is_dir():
         raise CheckpointError(f"Checkpoint path {folder} is not a folder.")
-    names = (STATE_FILE,) if (folder / SHARDED_DIR).is_dir() else (STATE_FILE, MODEL_FILE)
+    weights = TRAINABLE_FILE if (folder / TRAINABLE_FILE).exists() else MODEL_FILE
+    names = (STATE_FILE,) if (folder / SHARDED_DIR).is_dir() else (STATE_FILE, weights)
     for name in names:
         path = folder / name
         if path.exists() and not path.is_file():  # a FIFO or a folder: never opened
@@ -508,6 +514,24 @@ def _load_model(model: torch.nn.Module, folder: Path) -> None:
         if missing or unexpected:
             raise ValueError(f"it does not fit the model (missing: {', '.join(missing) or 'none'}; "
                              f"unexpected: {', '.join(sorted(unexpected)) or 'none'})")
+    _load_extra_state(model, folder, state)
+
+
+def _load_trainable(model: torch.nn.Module, folder: Path) -> None:
+    """Load TRAINABLE_FILE once it and its record name exactly the model's trainable parameters."""
+    mine = trainable_names(model)
+    with _reading(folder / TRAINABLE_RECORD):
+        record = json.loads((folder / TRAINABLE_RECORD).read_text(encoding="utf-8"))
+        check_trainable_names(record.get("parameters") if isinstance(record, dict) else None, mine)
+    with _reading(folder / TRAINABLE_FILE):
+        tensors = load_file(str(folder / TRAINABLE_FILE), device="cpu")
+        check_trainable_names(list(tensors), mine)
+        model.load_state_dict(tensors, strict=False)  # a shape that differs raises, named
+    _load_extra_state(model, folder, model.state_dict(keep_vars=True))
+
+
+def _load_extra_state(model: torch.nn.Module, folder: Path, state: dict) -> None:
+    """The layers' extra state from EXTRA_STATE_FILE, when the model (its `state`) has any."""
     names = {name for name in state if name.endswith(_EXTRA)}
     if names:
         with _reading(folder / EXTRA_STATE_FILE):

@@ -9,10 +9,35 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from pathlib import Path
 
 import torch
+
+# Sentences of torch's weights_only messages that advise rather than explain, whatever the
+# version's wording. They are never shown: one says to load with weights_only=False, which runs
+# whatever code the file holds.
+_ADVICE = ("weights only load failed", "in pytorch 2.6", "weights_only` set to `false`",
+           "weights_only=false", "re-running", "arbitrary code", "trusted source", "if you trust",
+           "trust the source", "can still be loaded", "alternatively, to load", "please use",
+           "please file an issue", "check the documentation", "add_safe_globals([")
+
+
+def load_failure_reason(exc: BaseException) -> str:
+    """One line saying why a file did not load: torch's weights_only message is a page of advice
+    around one sentence of reason ("unsupported GLOBAL posix.system"); only the reason is kept."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch puts terminal bold in it
+    text = text.replace("WeightsUnpickler error:", "\n")  # what follows is the reason
+    sentences = (part.strip() for part in re.split(r"(?<=\.)\s+|\n", text))
+    kept = " ".join(part for part in sentences
+                    if part and not any(words in part.lower() for words in _ADVICE))
+    text = " ".join(kept.split()).rstrip(".")
+    if isinstance(exc, pickle.UnpicklingError):
+        text = (f"torch.load(weights_only=True) refused it ({text})" if text else
+                "torch.load(weights_only=True) refused it: it holds more than tensors and plain data")
+    text = text or type(exc).__name__
+    return text if len(text) <= 300 else text[:294] + " (...)"
 
 
 def _is_int(value) -> bool:
@@ -151,3 +176,33 @@ def check_optimizer_state(saved, optimizer: torch.optim.Optimizer) -> None:
         if number not in params:
             raise ValueError(f"it holds state for parameter {str(number)[:40]}, which no group lists")
         _check_param_state(number, entry, params[number], required[number])
+
+
+# -- the trainable parameters of a model with a frozen base (LoRA) --------------------------------
+def has_frozen_parameters(model: torch.nn.Module) -> bool:
+    """Whether some parameter is frozen (a PEFT model's base): its checkpoints then hold only the
+    trainable parameters, and the frozen ones come from the model as built again for resuming."""
+    return any(not param.requires_grad for param in model.parameters())
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """The state-dict names of the trainable parameters, a tied one under its first name only."""
+    seen, names = set(), []
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and value.requires_grad and id(value) not in seen:
+            seen.add(id(value))
+            names.append(name)
+    return names
+
+
+def check_trainable_names(saved, mine: list[str]) -> None:
+    """Raise ValueError unless the checkpoint's trainable parameter names are the model's: a
+    checkpoint of another adapter (other target modules, another rank's names) is refused."""
+    if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
+        raise ValueError("it does not hold a list of parameter names")
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or unexpected:  # the names are long: the first of each tells which adapter
+        raise ValueError(f"its trainable parameters are not the model's: {len(missing)} missing "
+                         f"({missing[0] if missing else 'none'}), {len(unexpected)} unexpected "
+                         f"({unexpected[0] if unexpected else 'none'}); build the model as the "
+                         "run that saved it did (same base, same adapter)")

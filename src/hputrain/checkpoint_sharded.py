@@ -1,7 +1,8 @@
 """Sharded state IO: under a strategy that shards the model (fsdp), every rank writes its own
 shards of the model and optimizer state with torch.distributed.checkpoint (DCP) into SHARDED_DIR
 of the checkpoint's folder, inside the same atomic folder protocol as full checkpoints
-(checkpoint.py). DCP reshards on load, so a checkpoint of N processes resumes on M.
+(checkpoint.py). DCP reshards on load, so a checkpoint of N processes resumes on M. A model with
+frozen parameters (a LoRA) saves the shards of its trainable parameters only, as FullState does.
 
 Reading is guarded, because DCP itself unpickles without limits in two places:
 - `.metadata` is a pickle that FileSystemReader loads with plain `pickle.load`. `SafeReader`
@@ -24,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .checkpoint_checks import has_frozen_parameters, trainable_names
 
 SHARDED_DIR = "sharded"  # in a checkpoint folder: DCP's .metadata and one __RANK_0.distcp per rank
 METADATA_FILE = ".metadata"
@@ -158,8 +161,8 @@ def check_fits(metadata, model_state: dict) -> None:
 
 def _failure_reason(exc: BaseException) -> str:
     """One line from DCP's CheckpointException (a failure per rank; the first is told) or any
-    other error; torch's weights_only advice is left out (checkpoint._reason)."""
-    from .checkpoint import _reason
+    other error; torch's weights_only advice is left out (checkpoint_checks.load_failure_reason)."""
+    from .checkpoint_checks import load_failure_reason as _reason
 
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -191,29 +194,35 @@ class ShardedState:
         .metadata. `model` is the module that owns the weights (fully_shard'ed or plain)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        state = {_MODEL: get_model_state_dict(model)}
+        state = {_MODEL: _model_state(model)}
         if optimizer is not None:
             state[_OPTIMIZER] = get_optimizer_state_dict(model, optimizer)
         writer = dcp.FileSystemWriter(folder / SHARDED_DIR, single_file_per_rank=True, sync_files=True)
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        if has_frozen_parameters(model):  # the record, and a PEFT model's adapter files
+            from .checkpoint import write_trainable_files
+            from .export import host_state
+
+            tensors = host_state(model, trainable_only=True)  # gathered onto rank 0
+            if rank == 0:
+                write_trainable_files(folder, model, {name: tensors[name] for name in state[_MODEL]})
 
     def load(self, folder: Path, *, model, optimizer, rank: int) -> None:
         """Every rank calls this; DCP reshards to the current layout. Raises CheckpointError."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
+            StateDictOptions,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
         sharded = folder / SHARDED_DIR
-        state = {_MODEL: get_model_state_dict(model)}
+        state = {_MODEL: _model_state(model)}
         if optimizer is not None:
             state[_OPTIMIZER] = get_optimizer_state_dict(model, optimizer)  # fills an empty state
         try:
@@ -227,13 +236,19 @@ class ShardedState:
         except _dcp_errors() as exc:
             raise _checkpoint_error(f"Sharded checkpoint {sharded} cannot be loaded: "
                                     f"{_one_line(_failure_reason(exc))}.") from exc
-        set_model_state_dict(model, state[_MODEL])
+        # a frozen base is not in the checkpoint: it stays as the model was built
+        options = StateDictOptions(strict=not has_frozen_parameters(model))
+        set_model_state_dict(model, state[_MODEL], options=options)
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state[_OPTIMIZER])
 
     def consolidate(self, path: Path, *, model, rank: int) -> None:
         """Write the whole model to `path` (safetensors) from rank 0: every rank takes part in
-        gathering it, one tensor at a time, each offloaded to the CPU as it arrives."""
+        gathering it, one tensor at a time, each offloaded to the CPU as it arrives. Not for a
+        model with frozen parameters: its base is on disk already, and export.save_model writes
+        what loads (a PEFT adapter folder)."""
+        if has_frozen_parameters(model):
+            return
         from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -244,6 +259,17 @@ class ShardedState:
         full = get_model_state_dict(model, options=options)
         if rank == 0:
             save_file(_each_once(full), str(path), metadata={"format": "pt"})
+
+
+def _model_state(model) -> dict:
+    """The model's state dict as DCP saves it (this rank's shards); for a model with frozen
+    parameters, the trainable parameters only (checkpoint_checks.trainable_names)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)
+    if has_frozen_parameters(model):
+        state = {name: state[name] for name in trainable_names(model)}
+    return state
 
 
 def _each_once(state: dict) -> dict[str, torch.Tensor]:
@@ -306,7 +332,7 @@ def export_model(checkpoint: Path, output: Path | None = None) -> Path:
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoint import CONFIG_FILE, MODEL_FILE
+    from .checkpoint import CONFIG_FILE, MODEL_FILE, TRAINABLE_RECORD
 
     sharded, output = checkpoint / SHARDED_DIR, output or checkpoint / MODEL_FILE
     if not checkpoint.is_dir():
@@ -314,6 +340,10 @@ def export_model(checkpoint: Path, output: Path | None = None) -> Path:
     if not sharded.is_dir():
         raise _checkpoint_error(f"{checkpoint} is not a sharded checkpoint ({SHARDED_DIR}/ is "
                                 f"missing): its {MODEL_FILE} already holds the whole model.")
+    if (checkpoint / TRAINABLE_RECORD).is_file():  # a LoRA's: its shards are the adapter's
+        raise _checkpoint_error(f"{checkpoint} holds only the trainable parameters of a model "
+                                "with frozen ones (a LoRA), not a whole model: a PEFT model's "
+                                "adapter_model.safetensors there loads with PeftModel.")
     try:
         metadata = read_metadata(sharded)
         template = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)

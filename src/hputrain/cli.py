@@ -52,6 +52,7 @@ def _force_cpu(args) -> None:
 def cmd_env(args) -> int:
     import torch
 
+    from . import kernels
     from .accelerators import available_accelerators, detect_accelerator
 
     accelerator = detect_accelerator(args.accelerator)
@@ -64,6 +65,9 @@ def cmd_env(args) -> int:
         "dist_backend": accelerator.dist_backend(),
         "compile_backend": accelerator.compile_backend(),
         **accelerator.bf16_facts(),  # native_bf16 and what decided it (CPU: flags, measured rates)
+        # what a Hugging Face model's attention and RMSNorm would run on here (kernels.py)
+        "fused_kernels": {**{k: v or "-" for k, v in kernels.available(accelerator).items()},
+                          "auto": "on" if accelerator.prefers_fused_kernels() else "off"},
         "torch": torch.__version__,
         "hputrain": __version__,
         "python": sys.version.split()[0],
@@ -126,7 +130,7 @@ def build_parser() -> Parser:
     from .distributed.launch import add_launch_parser
     from .doctor import add_doctor_parser
     from .inference import add_generate_parser
-    from .recipe import add_train_parser
+    from .recipes import add_train_parser
     from .report import add_report_parser
 
     add_train_parser(sub)

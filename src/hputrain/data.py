@@ -1,8 +1,12 @@
-"""The built-in byte-level corpus and its fixed-length training windows.
+"""The built-in byte-level corpus and its fixed-length training windows; batching.
 
 By default the corpus is the Python standard library's own source code, found on this machine at
 run time, so a training run needs no download. Bytes are tokens (vocab 256). The text is cut into
 windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted by one.
+
+Batching: the collators (default_collate, PadToBuckets for length buckets), the copy to the
+device (to_device) and the order of samples per step and rank (MicroBatches; worker processes
+in loading.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from . import loading
 from .errors import InputError
 from .files import read_regular_file
 
@@ -201,17 +206,18 @@ def load_corpus(
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # anything else pads with 0
 
 
-def _to_tensor(values: list, key: str | None):
-    """Stack a list of per-sample values into one tensor, padding 1-D sequences on the right."""
+def _to_tensor(values: list, key: str | None, pad: Mapping = PAD_VALUES, width=None):
+    """Stack a list of per-sample values into one tensor, padding 1-D sequences on the right:
+    to the longest, or to width(longest) when a width function is given (PadToBuckets)."""
     if not isinstance(values[0], torch.Tensor):
         if isinstance(values[0], str) or not isinstance(values[0], (int, float, bool, list, tuple)):
             return values  # text and other objects stay a list (not model inputs)
         values = [torch.as_tensor(v) for v in values]
-    if all(v.shape == values[0].shape for v in values):
+    if width is None and all(v.shape == values[0].shape for v in values):
         return torch.stack(values)
     if all(v.dim() == 1 for v in values):
         length = max(v.shape[0] for v in values)
-        out = values[0].new_full((len(values), length), PAD_VALUES.get(key, 0))
+        out = values[0].new_full((len(values), length if width is None else width(length)), pad.get(key, 0))
         for row, v in zip(out, values):
             row[:v.shape[0]] = v
         return out
@@ -229,14 +235,124 @@ def default_collate(samples: list):
     return _to_tensor(samples, None)
 
 
+def bucket_lengths(count: int, max_length: int, multiple: int | None = None) -> list[int]:
+    """`count` lengths spaced evenly up to max_length (4 of 128: 32, 64, 96, 128), each rounded up
+    to `multiple` but never past max_length, which is always the last."""
+    lengths = {-(-max_length * i // count) for i in range(1, count + 1)}
+    if multiple:
+        lengths = {min(-(-length // multiple) * multiple, max_length) for length in lengths}
+    return sorted(lengths)
+
+
+class PadToBuckets:
+    """A collator that pads token sequences to one of a few lengths, so that lazy mode and graphs
+    see a bounded set of batch shapes instead of a new one almost every batch.
+
+    Samples are dicts with input_ids. Their per-token values (input_ids, attention_mask, labels
+    and any other 1-D value as long as the sample's input_ids) are padded on the right to the
+    smallest bucket that holds the longest row: input_ids with pad_token_id, attention_mask with 0,
+    labels with -100 (which the loss ignores), anything else with 0. Right padding with labels
+    -100 leaves a causal model's loss unchanged, so no attention_mask is added where the samples
+    have none: a mask with padding costs transformers a host read every step. Other values (a
+    class label, text) are batched as default_collate does.
+
+    Buckets: `buckets` lengths spaced evenly up to max_length (see `bucket_lengths`); with
+    pad_to_multiple_of alone, the longest row rounded up to that multiple (not past max_length).
+    A row longer than max_length is an InputError: the model could not take it.
+    """
+
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None,
+                 buckets: int | None = None, max_length: int | None = None) -> None:
+        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("buckets", buckets),
+                            ("max_length", max_length)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"{name} must be a whole number of at least 1, got {value!r}")
+        if buckets is not None and max_length is None:
+            raise InputError("length buckets need a maximum length: give max_length, or pad to a "
+                             "multiple with pad_to_multiple_of instead")
+        self.pad_token_id, self.multiple, self.max_length = pad_token_id, pad_to_multiple_of, max_length
+        self.lengths = None if buckets is None else bucket_lengths(buckets, max_length, pad_to_multiple_of)
+
+    def width(self, longest: int) -> int:
+        """The padded length of a batch whose longest row has `longest` tokens."""
+        if self.max_length is not None and longest > self.max_length:
+            raise InputError(f"a row of {longest} tokens is longer than the model's maximum length "
+                             f"{self.max_length}: cut the rows to at most {self.max_length} tokens")
+        if self.lengths is not None:
+            return next(length for length in self.lengths if length >= longest)
+        width = longest if self.multiple is None else -(-longest // self.multiple) * self.multiple
+        return width if self.max_length is None else min(width, self.max_length)
+
+    def __call__(self, samples: list) -> dict:
+        first = samples[0]
+        if not isinstance(first, Mapping) or "input_ids" not in first:
+            raise InputError("length buckets and pad_to_multiple_of pad token sequences: give samples "
+                             "as dicts with input_ids, or pass a data_collator")
+        lengths = [len(s["input_ids"]) for s in samples]
+        pad = {**PAD_VALUES, "input_ids": self.pad_token_id}
+        batch = {}
+        for key in first:
+            values = [s[key] for s in samples]
+            per_token = all(_is_row_of(v, n) for v, n in zip(values, lengths))
+            batch[key] = _to_tensor(values, key, pad, self.width if per_token else None)
+        return batch
+
+
+def _is_row_of(value, length: int) -> bool:
+    """Whether a sample's value is one number per token (a 1-D sequence as long as input_ids)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 1 and value.shape[0] == length
+    return isinstance(value, (list, tuple)) and len(value) == length
+
+
+MAX_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "block_size")
+"""Where a model's config gives the longest sequence it takes (Hugging Face's names, then the
+built-in GPT's)."""
+
+
+def default_collator_for(model: torch.nn.Module, args):
+    """The collator a Trainer uses when it is given none: default_collate, or PadToBuckets when
+    args.length_buckets or args.pad_to_multiple_of is set, padding input_ids with the model's
+    config.pad_token_id (0 when it has none) up to its maximum length."""
+    if args.length_buckets is None and args.pad_to_multiple_of is None:
+        return default_collate
+    config = getattr(model, "config", None)
+    pad_token_id = getattr(config, "pad_token_id", None)
+    max_length = next((getattr(config, name) for name in MAX_LENGTH_NAMES
+                       if isinstance(getattr(config, name, None), int)), None)
+    if args.length_buckets is not None and max_length is None:
+        raise InputError(f"length_buckets needs the model's maximum length ({', '.join(MAX_LENGTH_NAMES)} "
+                         f"in its config), which {type(model).__name__} does not give: "
+                         "use pad_to_multiple_of instead")
+    return PadToBuckets(0 if pad_token_id is None else pad_token_id, args.pad_to_multiple_of,
+                        args.length_buckets, max_length)
+
+
 def to_device(batch, device: torch.device, non_blocking: bool = False):
+    """`batch` with its tensors on `device`. A non-blocking copy from host memory is asynchronous
+    only from pinned memory (from pageable memory the copy waits), so an unpinned host tensor is
+    pinned first where this host can pin (a CPU-only build cannot)."""
     if isinstance(batch, torch.Tensor):
+        if non_blocking and _should_pin(batch, device):
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):  # a dict, or a Hugging Face collator's BatchEncoding (a UserDict)
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
     return batch
+
+
+def _should_pin(tensor: torch.Tensor, device) -> bool:
+    """A host tensor about to be copied to another device, not pinned yet, on a host that pins."""
+    return (tensor.is_cpu and tensor.device != torch.device(device) and host_can_pin()
+            and not tensor.is_pinned())
+
+
+def host_can_pin() -> bool:
+    """Whether host memory can be pinned here: torch pins for its accelerator, and a build or
+    machine without one has nothing to pin for."""
+    return torch.accelerator.is_available()
 
 
 LABEL_NAMES = frozenset({"labels", "label", "label_ids", "shift_labels"})
@@ -265,8 +381,12 @@ class LoaderOptions:
     """How training batches are loaded (TrainingArguments' dataloader_* fields)."""
 
     num_workers: int = 0
+    """Worker processes that load and collate ahead of the step (see loading.py); 0: this one."""
     pin_memory: bool = False
+    """Batches come out in pinned host memory (only where the device copies from it
+    asynchronously: the Trainer asks its accelerator)."""
     prefetch_factor: int | None = None
+    """Batches each worker prepares ahead; None: torch's default."""
 
 
 class MicroBatches:
@@ -275,14 +395,15 @@ class MicroBatches:
     The global batch of optimizer step k is the same set of samples whatever the number of
     processes: it is cut into `accumulate` micro-steps, and each micro-step into one slice per
     rank. One process with batch 2B and two with batch B therefore train on the same samples, and a
-    resumed run continues from step k exactly.
+    resumed run continues from step k exactly. With worker processes (`loading`) the batches are
+    the same, bitwise, and come in the same order: the workers are handed this order (loading.py).
     """
 
     def __init__(self, dataset, collate, batch_size: int, accumulate: int = 1, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  loading: LoaderOptions = LoaderOptions()):
         self.dataset, self.collate = dataset, collate
-        self.loading = loading  # TODO(issue 17): worker processes
+        self.loading = loading
         self.batch_size, self.accumulate = batch_size, accumulate
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
@@ -299,9 +420,18 @@ class MicroBatches:
 
     def iterate(self, start_step: int = 0, epochs: int | None = None):
         """Micro-batches from optimizer step `start_step` on, for `epochs` passes (None: forever)."""
-        if self.num_samples is None:
-            yield from self._iterate_stream(start_step, epochs)
+        if self.loading.num_workers > 0:
+            yield from loading.in_workers(self, start_step, epochs)
             return
+        if self.num_samples is None:
+            batches = self.stream(start_step, epochs)
+        else:
+            batches = (self.collate([self.dataset[i] for i in mine])
+                       for mine in self.index_lists(start_step, epochs))
+        yield from (map(loading.pin, batches) if self.loading.pin_memory else batches)
+
+    def index_lists(self, start_step: int = 0, epochs: int | None = None):
+        """A map-style dataset: the sample indices of this rank's micro-batches, in order."""
         if self.steps_per_epoch == 0:
             return
         epoch, step = divmod(start_step, self.steps_per_epoch)
@@ -312,7 +442,7 @@ class MicroBatches:
                 for m in range(self.accumulate):
                     mine = self._my_slice(chunk[m * self.micro_size:(m + 1) * self.micro_size])
                     if len(mine):
-                        yield self.collate([self.dataset[i] for i in mine.tolist()])
+                        yield mine.tolist()
             epoch, step = epoch + 1, 0
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -324,8 +454,9 @@ class MicroBatches:
     def _my_slice(self, micro: torch.Tensor | list):
         return micro[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
-    def _iterate_stream(self, start_step: int, epochs: int | None):
-        """An iterable dataset: consecutive samples, restarted when exhausted."""
+    def stream(self, start_step: int = 0, epochs: int | None = None):
+        """An iterable dataset: this rank's collated micro-batches of consecutive samples, the
+        stream restarted when exhausted."""
         to_skip, epoch = start_step * self.accumulate, 0
         while epochs is None or epoch < epochs:
             stream, produced = iter(self.dataset), False

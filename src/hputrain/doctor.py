@@ -1,8 +1,9 @@
 """`hputrain doctor SCRIPT [ARGS]`: a dry run of Gaudi's lazy mode on the CPU.
 
-The user's script runs unmodified; every hputrain Trainer it makes is switched to lazy mode on
-PyTorch's own lazy tensor backend (output to a temporary folder, no checkpoints), and each of the
-first N optimizer steps is watched for what makes lazy mode slow on a Gaudi:
+The user's script runs unmodified; every hputrain Trainer it makes gets a `DoctorWatch` callback
+(callbacks.added_to_every_trainer), which switches it to lazy mode on PyTorch's own lazy tensor
+backend (output to a temporary folder, no checkpoints) and watches each of the first N optimizer
+steps for what makes lazy mode slow on a Gaudi:
 
 - recompilation: new graphs after warm-up, because the batch shapes keep growing (a bounded set,
   such as length buckets, is "N shapes, each compiled once": fine), or because something other
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from . import execution
 from .accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads, lazy_counters
+from .callbacks import Callback, added_to_every_trainer
 from .config import TrainingArguments
 from .errors import InputError
 
@@ -86,26 +87,35 @@ def _sync_site(read: str) -> SyncSite:
     return SyncSite(read, user, *(library or (None, None)))
 
 
-class DoctorWatch(execution.StepWatch):
-    """Per step: new graph compilations, host reads, fallback ops, and the batch's shapes."""
+class DoctorWatch(Callback):
+    """Moves the trainer's run to lazy mode on the CPU, in `output_dir`, without checkpoints;
+    then per step: new graph compilations, host reads, fallback ops, and the batch's shapes."""
 
-    def __init__(self, steps: int, reads: HostReads) -> None:
-        self.steps, self.reads = steps, reads
+    def __init__(self, steps: int, output_dir: str, reads: HostReads) -> None:
+        self.steps, self.output_dir, self.reads = steps, output_dir, reads
         self.records: list[dict] = []
         self._before: dict[str, int] = {}
         self._reads_before = 0
 
-    def step_begin(self, step: int) -> None:
+    def adjust_args(self, args: TrainingArguments) -> TrainingArguments:
+        return dataclasses.replace(args, accelerator="cpu", execution_mode="lazy", torch_compile=False,
+                                   use_graphs_for_training=False, output_dir=self.output_dir,
+                                   save_steps=0, eval_steps=0, disable_tqdm=True,
+                                   resume_from_checkpoint=None, load_best_model_at_end=False,
+                                   eval_strategy=None, save_strategy=None, logging_strategy=None)
+
+    def on_step_begin(self, trainer) -> None:
         self._before = lazy_counters()
         self._reads_before = self.reads.count
         self.reads.in_step = True
 
-    def step_end(self, step: int, batch) -> None:
+    def on_step_end(self, trainer) -> None:
         self.reads.in_step = False
         after = lazy_counters()
         new = {k: v - self._before.get(k, 0) for k, v in after.items() if v != self._before.get(k, 0)}
+        batch = trainer.step_inputs
         self.records.append({
-            "step": step,
+            "step": trainer.global_step,
             "compiles": new.get("UncachedCompile", 0),
             "host_syncs": self.reads.count - self._reads_before,
             # aten:: counters are ops run eagerly; _local_scalar_dense is a read, counted above
@@ -136,22 +146,6 @@ def _mask_layout(batch) -> str | None:
     if bool(mask.all()):
         return "all ones"
     return "right padded" if bool((mask[:, 1:] <= mask[:, :-1]).all()) else "other"
-
-
-class DoctorSession(execution.Session):
-    def __init__(self, steps: int, output_dir: str, reads: HostReads) -> None:
-        self.steps, self.output_dir, self.reads = steps, output_dir, reads
-        self.watches: list[DoctorWatch] = []
-
-    def adjust(self, args: TrainingArguments) -> TrainingArguments:
-        return dataclasses.replace(args, accelerator="cpu", execution_mode="lazy", torch_compile=False,
-                                   use_graphs_for_training=False, output_dir=self.output_dir,
-                                   save_steps=0, eval_steps=0, disable_tqdm=True,
-                                   resume_from_checkpoint=None)
-
-    def watch(self, args, accelerator) -> DoctorWatch:
-        self.watches.append(DoctorWatch(self.steps, self.reads))
-        return self.watches[-1]
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -301,21 +295,24 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
         raise InputError(f"script {script} does not exist")
     os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
     reads = HostReads(locate=_sync_site)
+    watches: list[DoctorWatch] = []
+
+    def watch() -> DoctorWatch:  # one for each Trainer the script makes
+        watches.append(DoctorWatch(steps, output_dir, reads))
+        return watches[-1]
+
     with tempfile.TemporaryDirectory(prefix="hputrain-doctor-") as output_dir:
-        session = DoctorSession(steps, output_dir, reads)
-        execution.install_session(session)
         saved_argv, sys.argv = sys.argv, [str(path), *script_args]
         sys.path.insert(0, str(path.resolve().parent))
         try:
-            with reads:
+            with reads, added_to_every_trainer(watch):
                 runpy.run_path(str(path), run_name="__main__")
         except DoctorFinished:
             pass
         finally:
             sys.argv = saved_argv
             sys.path.remove(str(path.resolve().parent))
-            execution.install_session(None)
-    records = [r for watch in session.watches for r in watch.records]
+    records = [r for watch in watches for r in watch.records]
     if not records:
         raise InputError(f"{script} trained no step with hputrain's Trainer, so there is nothing "
                          "to check")

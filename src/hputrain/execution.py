@@ -75,33 +75,9 @@ class GraphCompiles(StepWatch):
         return {"graph_compiles": self.total, "graph_compiles_after_warmup": self.after_warmup}
 
 
-class Session:
-    """A tool that runs a user's script (`hputrain doctor`) and adjusts every Trainer it makes.
-    The base adjusts nothing."""
-
-    def adjust(self, args: TrainingArguments) -> TrainingArguments:
-        return args
-
-    def watch(self, args: TrainingArguments, accelerator) -> StepWatch | None:
-        return None
-
-
-_session = Session()
-
-
-def install_session(session: Session | None) -> None:
-    global _session
-    _session = session or Session()
-
-
-def adjust_args(args: TrainingArguments) -> TrainingArguments:
-    return _session.adjust(args)
-
-
 def step_watch(args: TrainingArguments, accelerator) -> StepWatch:
-    watch = _session.watch(args, accelerator)
-    if watch is not None:
-        return watch
+    """The trainer's own watch: graph compiles in lazy mode where the device counts them. (Tools
+    that watch steps from outside, such as `hputrain doctor`, are callbacks: callbacks.py.)"""
     if accelerator.lazy and accelerator.graph_compiles() is not None:
         return GraphCompiles(accelerator.graph_compiles, args.throughput_warmup_steps)
     return StepWatch()

@@ -1,7 +1,6 @@
-"""Throughput (warm-up and pauses left out), MFU, the metric sinks, and a count of the memory
-kept for backward.
-
-Only global rank 0 writes: the trainer gives other ranks a `MetricSinks` with no sinks.
+"""Throughput (warm-up and pauses left out), MFU, the JSON-lines file helper, and a count of the
+memory kept for backward. What writes the records (metrics.jsonl, TensorBoard, the progress bar)
+are callbacks: callbacks.py.
 """
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import json
 import time
 from pathlib import Path
 
-from .errors import InputError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -180,71 +178,3 @@ def _end_last_line(path: Path) -> None:
             f.truncate(start)
         else:
             f.write(b"\n")
-
-
-class MetricSinks:
-    """Where records go: output_dir/metrics.jsonl, TensorBoard when installed, the progress bar."""
-
-    def __init__(self, output_dir: str | Path | None, total_steps: int = 0, initial_step: int = 0,
-                 progress: bool = True, tensorboard: bool | None = None) -> None:
-        """`tensorboard`: None writes event files when the package is installed, True requires
-        it (report_to="tensorboard"), False never writes them (report_to="none")."""
-        self.file = self.writer = self.bar = None
-        if output_dir is None:  # a rank other than 0: write nothing
-            return
-        output_dir = Path(output_dir)
-        self.file = open_jsonl(output_dir / METRICS_FILE)
-        if tensorboard is not False:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:  # tensorboard is an optional extra
-                if tensorboard:
-                    raise InputError("report_to='tensorboard' needs the tensorboard package: "
-                                     "pip install tensorboard") from None
-        if progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
-                            dynamic_ncols=True)
-
-    def write(self, record: dict) -> None:
-        if self.file is None:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(_tensorboard_tag(key), value, step)
-        if self.bar is not None and "loss" in record:
-            postfix = {"loss": f"{record['loss']:.4f}"}
-            if record.get("tokens_per_second"):
-                postfix["tok/s"] = f"{record['tokens_per_second']:.0f}"
-            self.bar.set_postfix(postfix, refresh=False)
-
-    def advance(self, steps: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(steps)
-
-    def message(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text)
-        elif self.file is not None:
-            print(text)
-
-    def close(self) -> None:
-        for sink in (self.bar, self.writer, self.file):
-            if sink is not None:
-                sink.close()
-        self.file = self.writer = self.bar = None
-
-
-def _tensorboard_tag(key: str) -> str:
-    if key.startswith("eval_"):
-        return f"eval/{key[5:]}"
-    if key.startswith(("train_", "throughput_", "mfu")):
-        return f"summary/{key}"
-    return f"train/{key}"

@@ -1,8 +1,11 @@
-"""The training and evaluation loop, readable top to bottom.
+"""The training loop, readable top to bottom.
 
 `Trainer.train` is forward, backward, clip, step, log, in that order. Three things are visible
 where they happen: the lazy-mode `mark_step()` calls, the gradient-accumulation sync, and the
-throughput clock. The step reads nothing back to the host except at logging steps.
+throughput clock. The step reads nothing back to the host except at logging steps. Callbacks
+(callbacks.py) are called where the hooks' names say; what is written (metrics.jsonl, the
+progress bar, TensorBoard) is written by callbacks. Evaluation and prediction: evaluation.py;
+when to log, evaluate and save, and the best checkpoint: intervals.py.
 """
 from __future__ import annotations
 
@@ -13,24 +16,29 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import checkpoint, execution, export, kernels
+from . import checkpoint, evaluation, execution, export, kernels
+from .callbacks import Callback, for_every_trainer, reporting_callbacks, show_message
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments, as_training_arguments, check_trainer_kwargs
-from .data import LABEL_NAMES, LoaderOptions, MicroBatches, default_collate, model_input_names, to_device
+from .data import (LABEL_NAMES, LoaderOptions, MicroBatches, default_collator_for, host_can_pin,
+                   model_input_names, to_device)
 from .distributed import ProcessGroup, select_strategy
 from .distributed.checkpointing import apply_activation_checkpointing
 from .distributed.context_parallel import ContextParallel, NoContextParallel
 from .distributed.launch import needs_launch, relaunch_current_program
 from .distributed.strategies import set_layout
 from .errors import InputError
-from .loss import IGNORE_INDEX, TokenCount, batch_size
+from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
+from .intervals import BestCheckpoint, Intervals
+from .loss import TokenCount, batch_size
 from .optim import create_optimizer, create_scheduler
 from .precision import select_precision
-from .telemetry import MetricSinks, ThroughputClock, job_peak_flops
+from .telemetry import ThroughputClock, job_peak_flops
 
 
 @dataclass
@@ -41,24 +49,6 @@ class TrainOutput:
     interrupted_by: int | None = None  # the signal that stopped training early, if any
 
 
-@dataclass
-class PredictionOutput:
-    predictions: torch.Tensor | list
-    label_ids: torch.Tensor | list | None
-    metrics: dict
-
-
-def loss_of(output) -> torch.Tensor:
-    """The loss from a model's output: a tensor, a dict with "loss", or an object with `.loss`."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None:
-        raise InputError("the model returned no loss: return a tensor, a dict with 'loss' or an "
-                         "object with .loss, or pass compute_loss=")
-    return loss
-
-
 class Trainer:
     def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
@@ -66,7 +56,12 @@ class Trainer:
                  compute_metrics=None, callbacks=None, processing_class=None,
                  **unsupported) -> None:
         check_trainer_kwargs(unsupported)  # the Hugging Face Trainer's names: one line on what to use
-        self.args = execution.adjust_args(as_training_arguments(args))
+        # those added to every trainer (callbacks.added_to_every_trainer), then the caller's
+        self.callbacks: list[Callback] = [*for_every_trainer(), *(callbacks or [])]
+        args = as_training_arguments(args)
+        for callback in self.callbacks:  # the doctor runs a script's trainers lazily, elsewhere
+            args = callback.adjust_args(args)
+        self.args = args
         if needs_launch(self.args.devices, self.args.num_nodes):
             # Lightning's way: run this program again, one process per device, and end here.
             sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
@@ -86,10 +81,11 @@ class Trainer:
         if self.precision.notice and self.group.is_main:  # bf16 asked for where it is emulated
             print(f"hputrain: {self.precision.notice}", file=sys.stderr)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.collate = data_collator or default_collate
+        self.collate = data_collator or default_collator_for(model, self.args)  # length buckets
         self.compute_loss = compute_loss
-        self.compute_metrics = compute_metrics  # (predictions, label_ids) -> dict, for evaluate()
-        self.callbacks = list(callbacks or [])  # TODO(issue 17): callbacks.py
+        self.compute_metrics = compute_metrics  # eval_pred -> dict, for evaluate() (evaluation.py)
+        if self.group.is_main:  # metrics.jsonl, the bar, the trackers: written by rank 0 only
+            self.callbacks += reporting_callbacks(self.args)
         self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.args, self.group, self.accelerator, self.precision)
         # the device's attention and RMSNorm kernels in a Hugging Face model (kernels.py)
@@ -109,8 +105,11 @@ class Trainer:
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
         self._step_tokens = 0  # counted tokens of the current step's global batch (see loss.py)
         self._graphed = None  # the captured inference module, built on first use
-        self.global_step = 0
+        self.global_step = self.total_steps = 0
+        self.should_stop = False  # set by a callback to end training after the current step
+        self.step_inputs = None  # the current step's last micro-batch, for callbacks
         self._stop_signal: int | None = None
+        self.best = BestCheckpoint(self.args, {})
 
     # -- the training loop ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
@@ -129,30 +128,36 @@ class Trainer:
         args, accelerator = self.args, self.accelerator
         _seed_everything(args.seed)
         batches = self._train_batches()
-        total_steps = self._total_steps(batches)
+        total_steps = self.total_steps = self._total_steps(batches)
+        intervals = Intervals(args, batches.steps_per_epoch, total_steps)
+        intervals.check_best_model(args, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, args, self.config, accelerator)
         self.scheduler = create_scheduler(self.optimizer, args, total_steps)
         state = self._resume(resume_from_checkpoint)
-        start_step = self.global_step = state.get("step", 0)
-        sinks = self._sinks(total_steps, start_step)
-        for line in self._resume_differences(state, batches):
-            sinks.message(line)
+        self.global_step = state.get("step", 0)
+        self.best = BestCheckpoint(args, state)
+        self.should_stop, self._stop_signal = False, None
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
         watch = execution.step_watch(args, accelerator)  # graph compiles in lazy mode
-        micro_batches = batches.iterate(start_step)
+        micro_batches = batches.iterate(self.global_step)
         accumulate = args.gradient_accumulation_steps
         logged_loss = self._device_zero()  # summed on device between logs
         steps_since_log, grad_norm, last_loss = 0, None, None
         params = list(self.model.parameters())  # once: walking the modules every step costs ~0.25 ms
         self.model.train()
         previous_handlers = self._catch_stop_signals()
+        finished = False
         try:
+            self._call("on_train_begin")
+            for line in self._resume_differences(state, batches):
+                self.log_message(line)
             while self.global_step < total_steps:
                 step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
                 counts = [self.count_tokens(batch) for batch in step_batches]
-                if self._agree_to_stop(counts):
+                if self._agree_to_stop(counts):  # a signal or a callback, on any rank
                     break
                 watch.step_begin(self.global_step + 1)
+                self._call("on_step_begin")
                 samples = 0
                 for micro, (batch, count) in enumerate(zip(step_batches, counts)):
                     batch = to_device(batch, self.device, args.non_blocking_data_copy)
@@ -176,49 +181,90 @@ class Trainer:
                 accelerator.mark_step()
                 self.global_step += 1
                 watch.step_end(self.global_step, batch)
+                self.step_inputs = batch
+                self._call("on_step_end")
                 steps_since_log += 1
                 # samples are shared by a context-parallel group; tokens are counted globally
                 clock.step_done(samples * self.group.dp_size, self._step_tokens)
-                sinks.advance()
 
-                if self.global_step % args.logging_steps == 0 or self.global_step == total_steps:
+                if intervals.logs(self.global_step):
                     clock.pause()  # the read-back below is the only host sync of the loop
-                    last_loss = self._log(sinks, clock, batches, logged_loss, steps_since_log, grad_norm)
+                    last_loss = self._log(clock, batches, logged_loss, steps_since_log, grad_norm)
                     logged_loss, steps_since_log = self._device_zero(), 0
                     clock.resume()
-                if args.eval_steps and self.global_step % args.eval_steps == 0 and self.eval_dataset is not None:
+                if intervals.evaluates(self.global_step) and self.eval_dataset is not None:
                     clock.pause()
-                    self.evaluate(sinks=sinks)
+                    self._evaluate_during_training()
                     clock.resume()
-                if args.save_steps > 0 and self.global_step % args.save_steps == 0:
+                if intervals.saves(self.global_step):
                     clock.pause()
                     self._check_finite(logged_loss, steps_since_log)  # never save diverged weights
                     self._save(batches)
                     clock.resume()
-            summary = self._finish(sinks, clock, batches, watch, logged_loss, steps_since_log)
+            summary = self._finish(intervals, clock, batches, watch, logged_loss, steps_since_log)
+            finished = True
         finally:
+            self.step_inputs = None
             self._restore_signal_handlers(previous_handlers)
-            sinks.close()
+            self._end_callbacks(finished)
         return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
 
-    def _finish(self, sinks: MetricSinks, clock: ThroughputClock, batches: MicroBatches,
+    def _finish(self, intervals: Intervals, clock: ThroughputClock, batches: MicroBatches,
                 watch: execution.StepWatch, logged_loss: torch.Tensor, steps_since_log: int) -> dict:
-        """After the last step (or a stop signal): evaluate and save unless the step just did,
-        then write the summary record."""
-        args, step = self.args, self.global_step
-        saves = args.save_steps >= 0  # -1: never
+        """After the last step (or a stop): evaluate and save unless the step just did, load the
+        best checkpoint's weights (load_best_model_at_end), then write the summary record."""
+        step = self.global_step
         if self._stop_signal is not None:
-            sinks.message(f"signal {self._stop_signal} received: "
-                          + (f"saving a checkpoint at step {step}" if saves else f"stopping at step {step}"))
-        elif self.eval_dataset is not None and not (args.eval_steps and step % args.eval_steps == 0):
-            self.evaluate(sinks=sinks)
-        if saves and not (args.save_steps > 0 and step % args.save_steps == 0):
+            saves = intervals.saves_at_all
+            self.log_message(f"signal {self._stop_signal} received: "
+                             + (f"saving a checkpoint at step {step}" if saves else f"stopping at step {step}"))
+        elif self.eval_dataset is not None and not intervals.evaluates(step):
+            self._evaluate_during_training()
+        if intervals.saves_at_all and not intervals.saves(step):
             self._check_finite(logged_loss, steps_since_log)
             self._save(batches)
+        if self.best.folder is not None and self._stop_signal is None:
+            self._load_best()
         summary = {"step": step, **clock.summary(self._flops_per_token(), *self._peak_flops()),
                    **watch.summary()}
-        sinks.write(summary)
+        self._call("on_log", summary)
         return summary
+
+    def _end_callbacks(self, finished: bool) -> None:
+        """on_train_end, also after an error (callbacks close their files and runs); then an
+        error of a callback does not hide the one that ended training."""
+        if finished:
+            self._call("on_train_end")
+            return
+        with contextlib.suppress(Exception):
+            self._call("on_train_end")
+
+    # -- callbacks -----------------------------------------------------------------------------
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def add_callback(self, callback: Callback | type) -> None:
+        """Append a callback (an instance, or a class to make one of), as the Hugging Face
+        Trainer's add_callback."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def pop_callback(self, callback: Callback | type) -> Callback | None:
+        """Remove and return the callback (that instance, or the first of that class), or None."""
+        for found in self.callbacks:
+            if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
+                self.callbacks.remove(found)
+                return found
+        return None
+
+    def remove_callback(self, callback: Callback | type) -> None:
+        self.pop_callback(callback)
+
+    def log_message(self, text: str) -> None:
+        """A line for the user on rank 0 (resume notes, signals, early stopping): above the
+        progress bar when there is one, else on stdout."""
+        if self.group.is_main:
+            show_message(self.callbacks, text)
 
     def _loss(self, batch, module=None, **loss_kwargs) -> torch.Tensor:
         module = self.wrapped if module is None else module
@@ -241,15 +287,17 @@ class Trainer:
 
     def _agree_to_stop(self, counts: list[int]) -> bool:
         """Before each step, one small host all-reduce (no device sync) that every rank reaches:
-        the global batch's counted tokens, and whether any rank was asked to stop. A stop request
-        then ends the same step on every rank, which save one checkpoint together."""
+        the global batch's counted tokens, and whether any rank was asked to stop, by a signal
+        or by a callback (should_stop). A stop request then ends the same step on every rank,
+        which save one checkpoint together."""
         signum = self._stop_signal
-        tokens, interrupts, terminates = self.group.host_sum(
-            [sum(counts), signum == signal.SIGINT, signum not in (None, signal.SIGINT)])
+        tokens, interrupts, terminates, callback_stops = self.group.host_sum(
+            [sum(counts), signum == signal.SIGINT, signum not in (None, signal.SIGINT), self.should_stop])
         self._step_tokens = int(tokens)
         if signum is None and (interrupts or terminates):  # a peer was signalled
             self._stop_signal = signal.SIGTERM if terminates else signal.SIGINT
-        return self._stop_signal is not None
+        self.should_stop = bool(callback_stops)  # a callback on one rank stops them all
+        return self._stop_signal is not None or self.should_stop
 
     def _on_host(self, batch):
         """This rank's slice of each sequence under context parallelism, still on the host, where
@@ -315,7 +363,7 @@ class Trainer:
             self._graphed = wrap_for_inference(self.model, self.accelerator)
         return self._graphed
 
-    def _log(self, sinks, clock, batches, logged_loss, steps, grad_norm) -> float:
+    def _log(self, clock, batches, logged_loss, steps, grad_norm) -> float:
         """One logging record; the host reads the loss and grad norm back only here. Nothing here
         adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
         loss = self.group.all_reduce_mean(logged_loss).item() / steps
@@ -329,7 +377,7 @@ class Trainer:
             "tokens_per_second": clock.interval_rate(),
             **self.accelerator.memory_stats(),
         }
-        sinks.write(record)  # a no-op except on global rank 0
+        self._call("on_log", record)
         return record["loss"]
 
     def _check_finite(self, logged_loss: torch.Tensor, steps: int) -> None:
@@ -348,70 +396,24 @@ class Trainer:
                              "learning rate or resume from the last checkpoint")
 
     # -- evaluation and prediction -------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, sinks: MetricSinks | None = None) -> dict:
-        """Mean loss over the evaluation set (every rank takes its share) and its perplexity."""
+    def evaluate(self, eval_dataset=None) -> dict:
+        """Mean loss over the evaluation set (every rank takes its share), its perplexity, and
+        compute_metrics' results prefixed "eval_" (evaluation.py)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise InputError("evaluate() needs an eval_dataset")
-        with self._model_on_device(), self._eval_mode():
-            module = self._inference_module()
-            total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, tokens)
-            for batch, real in self._eval_batches(dataset):
-                batch = self._on_host(batch)
-                count = self._on_device_scalar(self.count_tokens(batch) if real else 0, torch.float64)
-                batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-                with self._forward_context():
-                    loss = self._loss(batch, module)  # the mean over its counted tokens
-                total += torch.stack([loss.detach().double() * count, count])
-                self.accelerator.mark_step()
-            self.group.all_reduce_sum(total)
-            loss_sum, count = total.tolist()
-        if count == 0:
-            raise InputError("the evaluation set gave no batch with a counted token: evaluate on "
-                             "at least one sample (with labels other than -100)")
-        eval_loss = loss_sum / count
-        metrics = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
-        if sinks is not None:
-            sinks.write({"step": self.global_step, **metrics})
-        return metrics
+        return evaluation.evaluate(self, dataset)
 
-    @torch.no_grad()
     def predict(self, test_dataset) -> PredictionOutput:
-        """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist.
-        Batches of different lengths are padded with -100 into one tensor, as the Hugging Face
-        Trainer pads them; the loss is weighted by counted tokens, as in evaluate()."""
-        predictions, labels, loss_sum, tokens = [], [], 0.0, 0
-        with self._model_on_device(), self._eval_mode():
-            module = self._inference_module()
-            for batch, real in self._eval_batches(test_dataset):
-                batch = self._on_host(batch)
-                count = self.count_tokens(batch)
-                batch = to_device(batch, self.device, self.args.non_blocking_data_copy)
-                with self._forward_context():
-                    output = self._forward(batch, module)
-                if not real:  # a repeat that kept this rank in step with the others
-                    continue
-                logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
-                predictions.append(logits.float().cpu())
-                if isinstance(batch, dict) and "labels" in batch:
-                    labels.append(batch["labels"].cpu())
-                    if (loss := _maybe_loss(output)) is not None:
-                        loss_sum, tokens = loss_sum + float(loss) * count, tokens + count
-                self.accelerator.mark_step()
-        metrics = {"test_loss": loss_sum / tokens} if tokens else {}
-        return PredictionOutput(pad_and_concat(predictions), pad_and_concat(labels) if labels else None,
-                                metrics)
+        """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist
+        (evaluation.py)."""
+        return evaluation.predict(self, test_dataset)
 
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        """The model in eval mode for the duration, then back in the mode it was in."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train(was_training)
+    def _evaluate_during_training(self) -> None:
+        metrics = self.evaluate()
+        self._call("on_log", {"step": self.global_step, **metrics})
+        self.best.evaluated(self.global_step, metrics)
+        self._call("on_evaluate", metrics)
 
     @contextlib.contextmanager
     def _model_on_device(self):
@@ -445,31 +447,8 @@ class Trainer:
         from it asynchronously), batches prepared ahead."""
         args = self.args
         return LoaderOptions(args.dataloader_num_workers,
-                             args.dataloader_pin_memory and self.accelerator.pins_memory(),
+                             args.dataloader_pin_memory and self.accelerator.pins_memory() and host_can_pin(),
                              args.dataloader_prefetch_factor)
-
-    def _eval_batches(self, dataset):
-        """(batch, real) pairs of this rank's share. Under a strategy whose forward is a
-        collective (fsdp gathers each block's weights), ranks run in step: one that has run out
-        of batches repeats its last one, not counted (real False), until every rank is done."""
-        batches = MicroBatches(dataset, self._collate, self.args.per_device_eval_batch_size, 1,
-                               self.group.dp_rank, self.group.dp_size, self.args.seed,
-                               shuffle=False, drop_last=False).iterate(0, epochs=1)
-        if not self.strategy.shards_state:
-            yield from ((batch, True) for batch in batches)
-            return
-        last = None
-        while True:
-            batch = next(batches, None)
-            if not self.group.host_sum([batch is not None])[0]:
-                return
-            if batch is None and last is None:  # fewer samples than ranks: borrow one, uncounted
-                if not hasattr(dataset, "__getitem__"):
-                    raise InputError("the evaluation set is too small to give every rank a batch "
-                                     "under fsdp: evaluate on more samples")
-                last = self._collate([dataset[0]])
-            last = batch if batch is not None else last
-            yield last, batch is not None
 
     def _total_steps(self, batches: MicroBatches) -> int:
         if batches.steps_per_epoch == 0:
@@ -481,13 +460,6 @@ class Trainer:
         if batches.steps_per_epoch is None:
             raise InputError("an iterable train_dataset has no length: set max_steps")
         return math.ceil(self.args.num_train_epochs * batches.steps_per_epoch)
-
-    def _sinks(self, total_steps: int, start_step: int) -> MetricSinks:
-        if not self.group.is_main:
-            return MetricSinks(None)
-        report_to = self.args.report_to  # None: TensorBoard when installed
-        return MetricSinks(self.args.output_dir, total_steps, start_step, progress=not self.args.disable_tqdm,
-                           tensorboard=None if report_to is None else bool({"tensorboard", "all"} & set(report_to)))
 
     def _flops_per_token(self) -> float:
         if hasattr(self.model, "flops_per_token"):
@@ -509,19 +481,42 @@ class Trainer:
     def _state(self, batches: MicroBatches) -> dict:
         state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
                  "world_size": self.group.world_size, "seed": self.args.seed,
-                 "global_batch_size": batches.global_batch_size}
+                 "global_batch_size": batches.global_batch_size, **self.best.state()}
         return state  # the model's own configuration is its config.json (checkpoint.py)
 
-    def _save(self, batches: MicroBatches):
-        # the strategy decides how the state is written; the last save of a sharded run also
-        # writes the whole model (model.safetensors) for generate and other tools
-        last = self._stop_signal is not None or self.global_step >= self._total_steps(batches)
-        return checkpoint.save_checkpoint(
+    def _save(self, batches: MicroBatches) -> Path:
+        # the strategy decides how the state is written; the last save of a run that stops (at
+        # its end, by a signal or a callback) also writes the whole model (model.safetensors) of
+        # a sharded run, for generate and other tools
+        last = (self._stop_signal is not None or self.should_stop
+                or self.global_step >= self.total_steps)
+        folder = checkpoint.checkpoint_dir(self.args.output_dir, self.global_step)
+        self.best.saving(self.global_step, folder)  # recorded in this checkpoint's state
+        tracking = self.best.enabled  # then rotation, below, keeps the best checkpoint too
+        folder = checkpoint.save_checkpoint(
             self.args.output_dir, self.global_step, model=self.model, optimizer=self.optimizer,
             scheduler=self.scheduler, state=self._state(batches), accelerator=self.accelerator,
             rank=self.group.rank, world_size=self.group.world_size,
-            save_total_limit=self.args.save_total_limit, barrier=self.group.barrier,
-            state_io=checkpoint.state_io_for(self.strategy), consolidate=last)
+            save_total_limit=None if tracking else self.args.save_total_limit,
+            barrier=self.group.barrier, state_io=checkpoint.state_io_for(self.strategy),
+            consolidate=last)
+        if tracking and self.group.is_main:  # only rank 0 touches the folders
+            checkpoint.rotate_checkpoints(self.args.output_dir,
+                                          self.best.keep_limit(self.args.save_total_limit, folder),
+                                          keep=self.best.folder or folder)
+        self._call("on_save", folder)
+        return folder
+
+    def _load_best(self) -> None:
+        """load_best_model_at_end: the best checkpoint's model weights back into the model (every
+        rank: a sharded checkpoint loads collectively); the optimizer and generators stay."""
+        folder = self.best.folder
+        checkpoint.load_checkpoint(folder, model=self.model, accelerator=self.accelerator,
+                                   rank=self.group.rank, restore_rng=False,
+                                   state_io=checkpoint.state_io_for(self.strategy))
+        self.accelerator.mark_step()
+        self.log_message(f"loaded the best checkpoint, {folder.name} ({self.best.key} "
+                         f"{self.best.metric:g})")
 
     def _resume(self, spec: str | None) -> dict:
         if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
@@ -578,28 +573,3 @@ def _in_main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-def _maybe_loss(output):
-    try:
-        return loss_of(output)
-    except InputError:
-        return None
-
-
-def pad_and_concat(tensors: list[torch.Tensor], pad: int = IGNORE_INDEX) -> torch.Tensor:
-    """Per-batch tensors as one, each padded with `pad` to the largest size in every dimension
-    after the first (ragged sequence lengths across batches)."""
-    if any(t.dim() != tensors[0].dim() for t in tensors):
-        raise InputError(f"predict() got outputs of different ranks: {sorted({t.dim() for t in tensors})}")
-    if tensors[0].dim() == 0:
-        return torch.stack(tensors)
-    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
-    padded = []
-    for tensor in tensors:
-        if list(tensor.shape[1:]) != shape:
-            out = tensor.new_full((tensor.shape[0], *shape), pad)
-            out[tuple(slice(0, size) for size in tensor.shape)] = tensor
-            tensor = out
-        padded.append(tensor)
-    return torch.cat(padded)

@@ -168,6 +168,35 @@ class Accelerator(ABC):
         raise InputError(f"use_graphs_for_training: the {self.name} has no graph capture for "
                          "training; use execution_mode='compile' instead")
 
+    # -- kernels for Hugging Face models (kernels.py) -------------------------------------------
+    def fused_kernels(self) -> dict[str, str | None]:
+        """The kernel that runs each substitution here, by name (None: the device has none)."""
+        return {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None}
+
+    def prefers_fused_kernels(self) -> bool:
+        """What fused_kernels="auto" means here: on where the kernels are not slower. torch's
+        own SDPA is already transformers' default, and F.rms_norm is one op where RMSNorm modules
+        run five (bench/kernels.py, docs/benchmarks.md)."""
+        return True
+
+    def scaled_dot_product_attention(self, q, k, v, mask=None, causal=False, scale=None,
+                                     dropout=0.0) -> torch.Tensor:
+        """Attention of (batch, heads, seq, dim) tensors; k and v may have fewer heads
+        (grouped-query). `mask`: boolean (True attends) or additive, broadcast to the scores."""
+        groups = q.size(1) // k.size(1)
+        if groups > 1 and mask is not None:  # torch's masked GQA takes the slow math path
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale,
+            enable_gqa=groups > 1 and mask is None)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`weight` times x normalised over its last dimension, in the numerics of transformers'
+        RMSNorm: normalised in fp32, cast back to x's dtype, then scaled (so fp32 results equal
+        Llama's, and bf16 ones round where Llama's do)."""
+        normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)
+        return weight * normed.to(x.dtype)
+
     # -- randomness ----------------------------------------------------------------------------
     def rng_state(self) -> torch.Tensor | None:
         """This device's generator state (None where the device shares the CPU generator)."""

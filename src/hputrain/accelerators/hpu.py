@@ -24,6 +24,9 @@ _PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
 # Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
 _TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
 _FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8
+# FusedSDPA's recompute mode (attention recomputed in backward, not kept) by default from this
+# many keys: where the (queries x keys) probabilities of every layer outgrow the memory they save.
+_RECOMPUTE_FROM_KEYS = 8192
 
 
 def _op_list_file(ops: list[str]) -> str:
@@ -50,6 +53,9 @@ class HPUAccelerator(Accelerator):
                  fp8_minimize_memory: bool = False) -> None:
         super().__init__(execution_mode, autocast_op_lists, fp8_minimize_memory)
         self._clip = None  # FusedClipNorm, built on first use
+        #: FusedSDPA's recompute mode (Optimum's flash_attention_recompute): True, False, or None
+        #: for on from _RECOMPUTE_FROM_KEYS keys.
+        self.attention_recompute: bool | None = None
 
     def default_execution_mode(self) -> str:
         # Gaudi's native mode is lazy, unless the user has already switched the runtime to eager.
@@ -192,6 +198,30 @@ class HPUAccelerator(Accelerator):
             normalization = self._runtime("habana_frameworks.torch.hpex.normalization")
             self._clip = normalization.FusedClipNorm(parameters, max_norm)
         return self._clip.clip_norm(parameters)
+
+    # -- kernels for Hugging Face models -------------------------------------------------------
+    def fused_kernels(self) -> dict[str, str | None]:
+        return {"attention": "fused_sdpa", "rms_norm": "fused", "rotary": None}
+
+    def scaled_dot_product_attention(self, q, k, v, mask=None, causal=False, scale=None, dropout=0.0):
+        """FusedSDPA (hpex.kernels): its softmax in fp32 ("None" mode) unless the autocast op
+        lists put softmax in bf16 ("fast" mode, as Optimum's flash_attention_fast_softmax)."""
+        if k.size(1) != q.size(1):  # FusedSDPA wants as many key/value heads as query heads
+            groups = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        bf16_ops = (self.autocast_op_lists or (None, None))[0] or ()
+        softmax_mode = "fast" if "softmax" in bf16_ops else "None"
+        recompute = self.attention_recompute
+        if recompute is None:
+            recompute = k.size(-2) >= _RECOMPUTE_FROM_KEYS
+        kernels = self._runtime("habana_frameworks.torch.hpex.kernels")
+        return kernels.FusedSDPA.apply(q, k, v, mask, dropout, causal, scale, softmax_mode, recompute)
+
+    def rms_norm(self, x, weight, eps):
+        """FusedRMSNorm (hpex.normalization), on inputs of the weight's dtype (it takes no mixed
+        dtypes); the result is in the weight's dtype, as transformers' `weight * x` promotes."""
+        normalization = self._runtime("habana_frameworks.torch.hpex.normalization")
+        return normalization.FusedRMSNorm.apply(x.to(weight.dtype), weight, eps)
 
     # -- graphs and randomness -----------------------------------------------------------------
     def wrap_graph_inference(self, module):

@@ -8,8 +8,10 @@ and needs nothing; so activations per rank fall to about 1/cp.
 
 `context_parallel_attention` is usable from any model and any process group; `ContextParallel`
 is the trainer's piece, on the mesh's "cp" dimension (ProcessGroup.cp_group): it slices batches
-and, during the forward pass, routes causal `F.scaled_dot_product_attention` calls to
-`context_parallel_attention`.
+and, during the forward pass, makes the group known to attention. An attention function that
+asks for it (`active_group`, `attend_in_group`: hputrain's attention for Hugging Face models in
+kernels.py) calls the context-parallel attention itself, with the device's kernel; any other
+model's causal `F.scaled_dot_product_attention` calls are intercepted and routed there.
 """
 from __future__ import annotations
 
@@ -22,6 +24,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import InputError
+
+
+class _Active:
+    """The cp group of the forward pass under way (None outside one), and whether the attention
+    now running handles it itself (so that its own SDPA call is not intercepted a second time).
+    Plain attributes, not ContextVars: torch.compile traces through attribute reads (a guard on
+    the value) but breaks its graph at every ContextVar.get."""
+
+    group = None
+    handled = False
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -48,12 +60,18 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(local, group)
 
 
-def context_parallel_attention(q, k, v, group, dropout_p: float = 0.0, scale: float | None = None):
+def _torch_attention(q, k, v, mask, scale, dropout_p):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def context_parallel_attention(q, k, v, group, dropout_p: float = 0.0, scale: float | None = None,
+                               attend=_torch_attention):
     """Causal attention of this rank's query slice over the whole sequence.
 
     q, k, v: (batch, heads, local_len, head_dim), rank r of the group holding positions
     [r * local_len, (r + 1) * local_len). Returns (batch, heads, local_len, head_dim), equal to the
-    matching slice of unsplit causal attention.
+    matching slice of unsplit causal attention. `attend(q, k, v, mask, scale, dropout_p)` is the
+    kernel that attends over the gathered keys (a boolean mask, True where a key is visible).
 
     The gathered keys and values, and the (local_len × keys) probabilities of a masked attention
     (which cannot use the fused kernels `is_causal` gets), would be kept for backward on every
@@ -61,18 +79,32 @@ def context_parallel_attention(q, k, v, group, dropout_p: float = 0.0, scale: fl
     (activation checkpointing): a rank keeps only its own q, k, v slices, at the price of one more
     all-gather per layer in backward.
     """
-    return checkpoint(_attend_over_gathered, q, k, v, group, dropout_p, scale, use_reentrant=False)
+    return checkpoint(_attend_over_gathered, q, k, v, group, dropout_p, scale, attend, use_reentrant=False)
 
 
-def _attend_over_gathered(q, k, v, group, dropout_p: float, scale: float | None):
+def _attend_over_gathered(q, k, v, group, dropout_p: float, scale: float | None, attend):
     rank, local_len = dist.get_rank(group), q.size(-2)
     visible = (rank + 1) * local_len  # later keys are all masked for this rank's queries
     keys = gather_sequence(k, group)[..., :visible, :]
     values = gather_sequence(v, group)[..., :visible, :]
     query_pos = torch.arange(local_len, device=q.device) + rank * local_len
     allowed = torch.arange(visible, device=q.device)[None, :] <= query_pos[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p,
-                                          scale=scale)
+    return attend(q, keys, values, allowed, scale, dropout_p)
+
+
+def active_group():
+    """The context-parallel group of the forward pass under way, or None."""
+    return _Active.group
+
+
+def attend_in_group(q, k, v, dropout_p: float, scale: float | None, attend):
+    """`context_parallel_attention` in the active group, for an attention function that handles
+    context parallelism itself with its own kernel `attend` (see context_parallel_attention)."""
+    _Active.handled = True
+    try:
+        return context_parallel_attention(q, k, v, _Active.group, dropout_p, scale, attend)
+    finally:
+        _Active.handled = False
 
 
 class _RouteCausalAttention(TorchFunctionMode):
@@ -84,7 +116,7 @@ class _RouteCausalAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention and not _Active.handled:
             return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -124,11 +156,19 @@ class ContextParallel(NoContextParallel):
         start = self.rank * local
         sharded = {key: value[:, start:start + local] if _is_sequence(value, length) else value
                    for key, value in batch.items()}
-        sharded["position_ids"] = torch.arange(start, start + local, device=batch["input_ids"].device)
+        # (batch, local) as Hugging Face models take them (the built-in GPT broadcasts any shape)
+        positions = torch.arange(start, start + local, device=batch["input_ids"].device)
+        sharded["position_ids"] = positions.expand(batch["input_ids"].size(0), -1).contiguous()
         return sharded
 
+    @contextlib.contextmanager
     def forward_context(self):
-        return _RouteCausalAttention(self.group)
+        outer, _Active.group = _Active.group, self.group
+        try:
+            with _RouteCausalAttention(self.group):
+                yield
+        finally:
+            _Active.group = outer
 
 
 def _is_sequence(value, length: int) -> bool:

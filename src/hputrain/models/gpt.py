@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -19,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
+
+_TIED = "lm_head.weight"  # the token embedding again (weight tying): saved once, as wte.weight
+_WEIGHTS, _CONFIG = "model.safetensors", "config.json"  # the names save_pretrained gives them
 
 IGNORE_INDEX = -100
 """Label value that `GPT.forward` leaves out of the loss."""
@@ -263,6 +268,46 @@ class GPT(nn.Module):
         if labels is not None:
             out["loss"] = cross_entropy_loss(logits, labels)
         return out
+
+    def save_pretrained(self, folder, state_dict: dict | None = None) -> None:
+        """Write config.json (the GPTConfig's fields) and model.safetensors to `folder`, as
+        transformers' save_pretrained lays a model out. The tied output layer is left out
+        (safetensors refuses two names for one storage); `from_pretrained` ties it again.
+        `state_dict` (default: the model's own) is what a sharded model's ranks gathered."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict() if state_dict is None else state_dict
+        tensors = {name: value.detach().cpu().contiguous() for name, value in state.items()
+                   if name != _TIED and isinstance(value, torch.Tensor)}
+        save_file(tensors, str(folder / _WEIGHTS), metadata={"format": "pt"})
+        (folder / _CONFIG).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+
+    @classmethod
+    def from_pretrained(cls, folder, max_parameters: int | None = None) -> GPT:
+        """The GPT that `save_pretrained` (or a full checkpoint) wrote to `folder`. A missing or
+        unfit config.json or model.safetensors is one InputError line."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        try:
+            config = GPTConfig.from_dict(json.loads((folder / _CONFIG).read_text(encoding="utf-8")),
+                                         max_parameters)
+            tensors = load_file(str(folder / _WEIGHTS), device="cpu")
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{folder} is not a saved GPT: {' '.join(str(exc).split())}") from None
+        except SafetensorError as exc:  # a truncated or foreign file
+            raise InputError(f"{folder / _WEIGHTS} cannot be read: {' '.join(str(exc).split())}") from None
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        missing = [name for name in missing if name != _TIED]
+        if missing or unexpected:
+            raise InputError(f"{folder / _WEIGHTS} does not fit its config.json (missing: "
+                             f"{', '.join(missing) or 'none'}; unexpected: "
+                             f"{', '.join(unexpected) or 'none'}).")
+        return model
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Preallocated (keys, values) per layer, each (batch, n_head, max_len, head_dim)."""

@@ -1,0 +1,171 @@
+"""The built-in recipe: a GPT on a text corpus (by default the Python standard library's own
+source, found at run time, no download), on the best device present.
+
+Also the end of every recipe's run, shared with the Hugging Face recipe (hf.py): the final model
+written with `save_pretrained`'s layout, and the run's files listed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import ConfigError
+
+MISPLACED = "is for the built-in GPT recipe; with --model the model folder decides the model"
+"""What is said of one of these options given with --model (to the Hugging Face recipe)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RecipeOptions:
+    """The recipe's own settings, beside TrainingArguments."""
+
+    model_size: str = "tiny"
+    """GPT size: tiny, small or base."""
+    seq_len: int = 256
+    """Tokens (bytes) per training sequence."""
+    corpus: str | None = None
+    """A folder (or file) of text to train on; unset means the Python standard library's source."""
+    max_corpus_bytes: int = 8_000_000
+    """Read at most this many bytes of the corpus."""
+    eval_batches: int = 20
+    """Evaluate on at most this many validation batches."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("seq_len", 2), ("max_corpus_bytes", 1), ("eval_batches", 1)):
+            if getattr(self, name) < least:  # 0 batches would report a perfect eval_loss of 0.0
+                raise ConfigError(f"{name} must be at least {least}, got {getattr(self, name)}")
+
+
+# Chosen so that the no-argument run takes about 5 minutes on a 2-core CPU and visibly learns.
+RECIPE_DEFAULTS = {
+    "output_dir": "runs/gpt",
+    "max_steps": 2500,
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 32,
+    "learning_rate": 2e-3,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 100,
+    "weight_decay": 0.1,
+    "adam_beta2": 0.99,
+    "logging_steps": 50,
+    "eval_steps": 500,
+    "save_steps": 1000,
+    "save_total_limit": 2,
+    "throughput_warmup_steps": 10,
+    "precision": "auto",  # bf16 where the device runs it natively, else fp32
+}
+
+
+def defaults(options: RecipeOptions) -> dict:
+    return RECIPE_DEFAULTS
+
+
+def run(options: RecipeOptions, training_args, accelerator_config) -> int:
+    import torch
+
+    from ..data import load_corpus
+    from ..models.gpt import GPT, GPTConfig
+    from ..trainer import Trainer
+
+    train_set, val_set = load_corpus(options.corpus, options.seq_len, max_bytes=options.max_corpus_bytes)
+    val_set = torch.utils.data.Subset(
+        val_set, range(min(len(val_set), options.eval_batches * training_args.per_device_eval_batch_size)))
+    try:
+        model_config = GPTConfig.from_size(options.model_size, block_size=options.seq_len)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    torch.manual_seed(training_args.seed)
+    model = GPT(model_config)
+    trainer = Trainer(model, training_args, train_dataset=train_set, eval_dataset=val_set,
+                      accelerator_config=accelerator_config)
+    if trainer.group.is_main:
+        print(f"hputrain: {options.model_size} GPT ({model.num_parameters() / 1e6:.2f}M parameters) on "
+              f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
+              f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}, "
+              f"{len(train_set)} training sequences of {options.seq_len} bytes from "
+              f"{options.corpus or 'the Python standard library'}"
+              f"{kernels_line(trainer)}")
+    output = trainer.train()
+    device = next(model.parameters()).device  # the host after lazy mode
+    # a sharded model's forward is a collective: every rank samples (the same tokens, seeded)
+    sharded = trainer.strategy.shards_state and output.interrupted_by is None
+    sample = _sample(model, device) if sharded else None
+    final = save_final(trainer, output)  # every rank: a sharded model is gathered first
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(training_args.output_dir, {"recipe": dataclasses.asdict(options),
+                                            "model": dataclasses.asdict(model_config)})
+    status = report_outputs(trainer, output)
+    if status is not None:
+        return status
+    if final is not None and hasattr(GPT, "from_pretrained"):  # export.py gives GPT one
+        print(f"load it with hputrain.models.gpt.GPT.from_pretrained({str(final)!r})")
+    print(f"sample:     {sample if sample is not None else _sample(model, device)!r}")
+    return 0
+
+
+def kernels_line(trainer) -> str:
+    """", kernels: attention: sdpa ×2, ..." when the trainer swapped in device kernels, else ""."""
+    from ..kernels import describe
+
+    return f", kernels: {describe(trainer.kernels)}" if trainer.kernels else ""
+
+
+def save_final(trainer, output) -> Path | None:
+    """The trained model as `save_pretrained` writes it, in output_dir/final; None when the run
+    was stopped by a signal (its checkpoint is what to resume from) or the model's kind cannot
+    be exported (said on the main rank: the run and its checkpoints are fine)."""
+    if output.interrupted_by is not None:
+        return None
+    folder = Path(trainer.args.output_dir) / "final"
+    try:
+        trainer.save_model(str(folder))
+    except NotImplementedError as exc:
+        if trainer.group.is_main:
+            print(f"final model not written: {exc or 'export is not available in this build'}")
+        return None
+    return folder
+
+
+def report_outputs(trainer, output) -> int | None:
+    """Print where the run's files are (main rank); the exit status when a signal stopped it."""
+    from ..checkpoint import latest_checkpoint
+    from ..report import write_report
+
+    out = Path(trainer.args.output_dir)
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:  # none when save_steps is -1
+        print(f"checkpoint: {checkpoint}")
+    print(f"metrics:    {out / 'metrics.jsonl'}")
+    try:
+        for path in write_report(out):
+            print(f"plot:       {path}")
+    except ValueError as exc:  # matplotlib missing: the run itself is fine
+        print(f"no plots: {exc}")
+    if output.interrupted_by is not None:
+        print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
+        return 128 + output.interrupted_by
+    if (out / "final").is_dir():
+        print(f"final:      {out / 'final'}")
+    return None
+
+
+def write_recipe(output_dir: str, record: dict) -> None:
+    """The recipe (and model shape) beside the checkpoints, so a run can be rebuilt from them;
+    written once the run has ended (train() holds output_dir's lock while it runs)."""
+    out = Path(output_dir)
+    try:
+        (out / "recipe.json").write_text(json.dumps(record, indent=2))
+    except OSError as exc:
+        raise ConfigError(f"output_dir {out} cannot be written: {exc.strerror} ({exc.filename})") from None
+
+
+def _sample(model, device, prompt: bytes = b"def ", length: int = 120) -> str:
+    """A few bytes of sampled text from the trained model, to see what it learned."""
+    import torch
+
+    ids = torch.tensor([list(prompt)], device=device)
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=length, temperature=0.8, top_k=20)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -1,0 +1,266 @@
+"""`hputrain train --model DIR --dataset PATH`: fine-tune a local Hugging Face causal language
+model, all its weights or LoRA adapters (`--lora-r R`), without the network.
+
+The model folder is what `save_pretrained` writes (config.json, weights, tokenizer files); the
+data is local text (hf_data.py). The result is written the same way into output_dir/final: a
+model folder, or a PEFT adapter folder, that transformers and peft load as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ..config import ConfigError
+from ..errors import InputError, did_you_mean
+
+MISPLACED = "needs --model DIR (a Hugging Face model folder to fine-tune)"
+"""What is said of one of these options given without --model (to the built-in GPT recipe)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class HFOptions:
+    """The Hugging Face recipe's own settings, beside TrainingArguments."""
+
+    model: str | None = None
+    """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune."""
+    dataset: str | None = None
+    """Local text: a UTF-8 file, a folder of them, JSON Lines with a text field, or a save_to_disk folder."""
+    from_scratch: bool = False
+    """Start from random weights of the folder's architecture instead of its trained weights."""
+    text_column: str = "text"
+    """The field (JSON Lines) or column (save_to_disk) holding the text."""
+    block_size: int | None = None
+    """Tokens per training sequence; unset means min(1024, the model's maximum length)."""
+    validation_split_percentage: float = 5.0
+    """Percent of the blocks held out for evaluation (at least one); 0 means no evaluation."""
+    cache_dir: str | None = None
+    """Where the tokenized data set is cached; unset means output_dir/.cache."""
+    lora_r: int | None = None
+    """Train LoRA adapters of this rank instead of every weight (needs peft)."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator; unset means 2 * lora_r."""
+    lora_dropout: float | None = None
+    """Dropout on the LoRA path; unset means 0.05."""
+    lora_target_modules: list[str] | None = None
+    """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else all-linear."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model must name a local Hugging Face model folder")
+        if not self.dataset:
+            raise ConfigError(f"--model needs --dataset PATH: {_shapes()}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block_size must be at least 2, got {self.block_size}")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise ConfigError("validation_split_percentage must be in [0, 100), got "
+                              f"{self.validation_split_percentage}")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise ConfigError(f"lora_r must be at least 1, got {self.lora_r}")
+        given = [n for n in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(self, n) is not None]
+        if given and self.lora_r is None:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --lora-r R (the adapters' rank)")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules is not None and not self.lora_target_modules:
+            raise ConfigError("--lora-target-modules needs at least one module name (or leave it out)")
+
+
+def defaults(options: HFOptions) -> dict:
+    """Fine-tuning defaults as the Hugging Face Trainer's examples use them; LoRA takes a larger
+    learning rate, since it moves far fewer weights."""
+    return {
+        "output_dir": str(Path("runs") / (Path(options.model).resolve().name or "model")),
+        "learning_rate": 1e-4 if options.lora_r else 5e-5,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 8,
+        "logging_steps": 10,
+        "eval_steps": 0,  # evaluate once, at the end
+        "save_steps": 500,
+        "save_total_limit": 2,
+        "precision": "auto",  # bf16 where the device runs it natively, else fp32
+    }
+
+
+def run(options: HFOptions, training_args, accelerator_config) -> int:
+    import torch
+
+    from ..trainer import Trainer
+    from .gpt import report_outputs, save_final, write_recipe
+    from .hf_data import load_blocks
+
+    folder = model_folder(options.model)
+    torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
+    model, tokenizer = load_model(folder, options.from_scratch)
+    if options.lora_r:
+        model = add_lora(model, options)
+    block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
+                       validation_percentage=options.validation_split_percentage,
+                       cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache",
+                       tokenizer_folder=folder)
+    trainer = Trainer(model, training_args, train_dataset=data.train, eval_dataset=data.validation,
+                      accelerator_config=accelerator_config, processing_class=tokenizer)
+    if trainer.group.is_main:
+        print(_header(trainer, model, options, data, block_size))
+    output = trainer.train()
+    final = save_final(trainer, output)  # every rank: a sharded model is gathered first
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(training_args.output_dir, {"recipe": dataclasses.asdict(options), "block_size": block_size})
+    status = report_outputs(trainer, output)
+    if status is not None:
+        return status
+    if final is not None and options.lora_r:
+        print(f'load it with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{folder}"), '
+              f'"{final}")')
+    elif final is not None:
+        print(f'load it with AutoModelForCausalLM.from_pretrained("{final}")')
+    return 0
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+def model_folder(name: str) -> Path:
+    """`name` as a model folder on this machine, or one line saying why it is not one."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        if folder.exists():
+            raise InputError(f"--model {name} is a file: give the folder holding config.json, the "
+                             "weights and the tokenizer files")
+        raise InputError(f"--model {name} is not a folder on this machine: hputrain train works "
+                         f"offline; download it first (huggingface-cli download {name} --local-dir DIR)")
+    if not (folder / "config.json").is_file():
+        raise InputError(f"--model {name} has no config.json: give a folder written by save_pretrained "
+                         "(config.json, weights, tokenizer files)")
+    return folder
+
+
+def load_model(folder: Path, from_scratch: bool = False):
+    """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
+    precision plugin casts per op, and the optimizer keeps full-precision weights."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the run prints its own progress
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--model {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
+                         "the tokenizer into the folder (tokenizer.save_pretrained)") from None
+    auto = transformers.AutoModelForCausalLM
+    try:
+        if from_scratch:
+            model = auto.from_config(config, dtype=torch.float32)
+        else:
+            model = auto.from_pretrained(folder, config=config, dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"--model {folder} cannot be loaded as a causal language model: "
+                         f"{_first_line(exc)}") from None
+    return model, tokenizer
+
+
+def add_lora(model, options: HFOptions):
+    """`model` wrapped by peft with LoRA adapters: only the adapters will require grad."""
+    try:
+        import peft
+    except ImportError:
+        raise InputError("--lora-r needs peft, which is not installed: pip install peft") from None
+    targets = options.lora_target_modules
+    if targets:
+        _check_targets(model, targets)
+    else:  # peft knows the attention projections of the architectures it lists
+        known = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
+        targets = None if getattr(model.config, "model_type", None) in known else "all-linear"
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=options.lora_r,
+                             lora_alpha=options.lora_alpha or 2 * options.lora_r,
+                             lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
+                             target_modules=targets)
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        raise InputError(f"LoRA cannot wrap {type(model).__name__}: {_first_line(exc)} (name its "
+                         "layers with --lora-target-modules)") from None
+
+
+def _check_targets(model, targets: list[str]) -> None:
+    """Each target names a module (by its last name part, or a dotted tail), as peft matches."""
+    names = [name for name, _ in model.named_modules() if name]
+    layers = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if _is_linear(module)})
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            raise InputError(f"--lora-target-modules: {type(model).__name__} has no module named "
+                             f"{target!r}{did_you_mean(target, layers)}; its linear layers are "
+                             f"{', '.join(layers)}")
+
+
+def _is_linear(module) -> bool:
+    import torch
+
+    # GPT-2 style models hold their projections in transformers' Conv1D, a transposed Linear.
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def choose_block_size(asked: int | None, config, tokenizer) -> int:
+    """`asked`, or min(1024, the longest sequence the model takes) — run_clm's default."""
+    limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions",
+                                                  "max_sequence_length", "seq_length")
+              if isinstance(getattr(config, name, None), int)]
+    if 0 < getattr(tokenizer, "model_max_length", 0) < 1_000_000:  # unset is a huge sentinel
+        limits.append(tokenizer.model_max_length)
+    longest = min(limits) if limits else None
+    if asked is None:
+        return min(1024, longest) if longest else 1024
+    if longest is not None and asked > longest:
+        raise InputError(f"--block-size {asked} is longer than the {longest} positions the model "
+                         f"takes: give --block-size {longest} or less")
+    return asked
+
+
+# -- the run header ------------------------------------------------------------------------------
+
+def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
+    from .gpt import kernels_line
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    name = type(model).__name__
+    if options.lora_r:
+        peft_config = next(iter(model.peft_config.values()))
+        targets = peft_config.target_modules
+        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
+        name = f"{type(model.get_base_model()).__name__} + LoRA r={options.lora_r} on {targets}"
+    held_out = len(data.validation) if data.validation is not None else 0
+    cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
+    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
+            f"{_count(trainable)} of {_count(total)} parameters trainable, on "
+            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
+            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
+            f"hputrain: {len(data.train)} training and {held_out} validation blocks of {block_size} "
+            f"tokens from {options.dataset} ({cached})")
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _shapes() -> str:
+    from .hf_data import SHAPES
+
+    return SHAPES

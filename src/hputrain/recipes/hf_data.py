@@ -1,0 +1,295 @@
+"""The Hugging Face recipe's data: local text in one of four shapes, tokenized once, packed into
+blocks of equal length, cached on disk.
+
+Shapes: a UTF-8 text file; a folder of text files; a JSON Lines file (.jsonl, or .json holding
+lines or one array) of records with a text field; a folder written by datasets' save_to_disk.
+A document is a file, a record or a row: its tokens are followed by the tokenizer's eos token, then
+everything is cut into blocks of `block_size` tokens (the tail shorter than a block is dropped,
+as run_clm does), so that every step has the same shapes and graph-compiling devices compile once.
+
+The blocks are cached in one .npy file whose name is a hash of what decides them (the data set's
+files with their sizes and modification times, the tokenizer's files, the block size, the text
+field), so a second run with the same inputs reads them back instead of tokenizing again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..files import NotARegularFile, read_regular_file
+
+CACHE_VERSION = 1  # bump when the packing changes, so old cache files are not read
+PIECE_CHARS = 1 << 16  # a long document is tokenized in pieces cut at line ends: bounded memory
+BATCH_PIECES = 256  # pieces per tokenizer call: the fast tokenizers work a batch in parallel
+SHAPES = ("a UTF-8 text file, a folder of text files, a JSON Lines file with a text field, or a "
+          "folder written by datasets' save_to_disk")
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja")
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Rows of a [blocks, block_size] token array as {input_ids, labels}: labels are the inputs,
+    the model shifts them (every Hugging Face causal LM does)."""
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.from_numpy(np.array(self.blocks[index], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+@dataclass
+class Blocks:
+    train: BlockDataset
+    validation: BlockDataset | None
+    cache_file: Path
+    from_cache: bool
+
+
+def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "text",
+                validation_percentage: float = 5, cache_dir: str | Path,
+                tokenizer_folder: str | Path | None = None) -> Blocks:
+    """The data set at `path` as training and validation blocks (the last
+    `validation_percentage` percent of the blocks, at least one, unless it is 0)."""
+    source = Path(path)
+    kind, files = _source(source)
+    key = _cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column)
+    cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
+    blocks = _read_cache(cache_file, block_size)
+    from_cache = blocks is not None
+    if blocks is None:
+        ids = token_ids(_documents(kind, source, files, text_column), tokenizer)
+        blocks = pack(ids, block_size, path)
+        _write_cache(cache_file, blocks)
+    train, validation = split(blocks, validation_percentage, path)
+    return Blocks(BlockDataset(train), None if validation is None else BlockDataset(validation),
+                  cache_file, from_cache)
+
+
+def token_ids(documents, tokenizer) -> np.ndarray:
+    """Every document's tokens followed by eos (when the tokenizer has one), in one array."""
+    eos = tokenizer.eos_token_id
+    out: list[np.ndarray] = []
+    pieces: list[str] = []
+    ends: list[bool] = []  # whether pieces[i] is the last piece of its document
+
+    def flush() -> None:
+        encoded = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+        for ids, last in zip(encoded, ends):
+            out.append(np.asarray(ids + ([eos] if last and eos is not None else []), dtype=np.int32))
+        pieces.clear()
+        ends.clear()
+
+    for document in documents:
+        document_pieces = list(_pieces(document))
+        for i, piece in enumerate(document_pieces):
+            pieces.append(piece)
+            ends.append(i == len(document_pieces) - 1)
+        if len(pieces) >= BATCH_PIECES:
+            flush()
+    if pieces:
+        flush()
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
+
+
+def pack(ids: np.ndarray, block_size: int, path: str) -> np.ndarray:
+    """[blocks, block_size]: the tail shorter than a block is dropped."""
+    if len(ids) == 0:
+        raise InputError(f"--dataset {path} holds no text: give it some, or point --dataset at "
+                         f"{SHAPES}")
+    count = len(ids) // block_size
+    if count == 0:
+        raise InputError(f"--dataset {path} has {len(ids)} tokens, fewer than one block of "
+                         f"{block_size}: give more text or a smaller --block-size")
+    return ids[:count * block_size].reshape(count, block_size)
+
+
+def split(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(training blocks, validation blocks): the validation share is taken from the end."""
+    if percentage <= 0:
+        return blocks, None
+    held_out = max(1, int(len(blocks) * percentage / 100))
+    if held_out >= len(blocks):
+        raise InputError(f"--dataset {path} packs into {len(blocks)} block(s) of {blocks.shape[1]} "
+                         f"tokens, too few to hold {percentage:g}% out for validation: give more "
+                         "text, a smaller --block-size, or --validation-split-percentage 0")
+    return blocks[:-held_out], blocks[-held_out:]
+
+
+# -- what the data set is ----------------------------------------------------------------------
+
+def _source(path: Path) -> tuple[str, list[Path]]:
+    """(kind, the files that make it up, in a fixed order)."""
+    if not path.exists():
+        raise InputError(f"--dataset {path} does not exist: give {SHAPES}")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if any((path / marker).is_file() for marker in SAVED_MARKERS):
+            return "saved", files
+        if not files:
+            raise InputError(f"--dataset {path} is an empty folder: give {SHAPES}")
+        return "folder", files
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return "jsonl", [path]
+    return "text", [path]
+
+
+def _documents(kind: str, path: Path, files: list[Path], column: str) -> Iterator[str]:
+    if kind == "saved":
+        yield from _saved_rows(path, column)
+    elif kind == "jsonl":
+        yield from _json_records(path, column)
+    else:
+        for file in files:
+            yield _read_text(file)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return read_regular_file(path)
+    except NotARegularFile as exc:
+        raise InputError(f"--dataset: {exc}: give {SHAPES}") from None
+    except OSError as exc:
+        raise InputError(f"--dataset {path} cannot be read: {exc.strerror}") from None
+
+
+def _read_text(path: Path) -> str:
+    data = _read_bytes(path)
+    if b"\0" in data:
+        raise InputError(f"--dataset {path} is not text (it holds NUL bytes): give {SHAPES}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--dataset {path} is not UTF-8 text (byte {exc.start}): convert it to "
+                         f"UTF-8, or give {SHAPES}") from None
+
+
+def _json_records(path: Path, column: str) -> Iterator[str]:
+    """The text field of each record: one JSON object a line, or (a .json file) one array."""
+    text = _read_text(path)
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            records = list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"--dataset {path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        where = "record"
+    else:
+        records = ((n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip())
+        where = "line"
+    for number, record in records:
+        if isinstance(record, str) and where == "line":
+            try:
+                record = json.loads(record)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"--dataset {path} line {number} is not JSON ({exc.msg}): a JSON "
+                                 "Lines file holds one object a line") from None
+        yield _text_field(record, column, f"{path} {where} {number}")
+
+
+def _text_field(record, column: str, where: str) -> str:
+    if not isinstance(record, dict) or column not in record:
+        has = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+        raise InputError(f"--dataset {where} has no {column!r} field (it has: {has or 'nothing'}): "
+                         "name the text field with --text-column")
+    value = record[column]
+    if not isinstance(value, str):
+        raise InputError(f"--dataset {where}: field {column!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _saved_rows(path: Path, column: str) -> Iterator[str]:
+    """The text column of a folder written by save_to_disk (a DatasetDict: its train split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"--dataset {path} was written by datasets' save_to_disk, and datasets is "
+                         "not installed: pip install datasets") from None
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, FileNotFoundError) as exc:
+        raise InputError(f"--dataset {path} cannot be loaded with datasets.load_from_disk: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise InputError(f"--dataset {path} holds the splits {', '.join(data)} and no 'train': "
+                             "save the split to train on by itself")
+        data = data["train"]
+    if column not in data.column_names:
+        raise InputError(f"--dataset {path} has no {column!r} column (it has: "
+                         f"{', '.join(data.column_names)}): name it with --text-column")
+    for number, batch in enumerate(data.iter(batch_size=1000)):
+        for offset, value in enumerate(batch[column]):
+            if not isinstance(value, str):
+                raise InputError(f"--dataset {path} row {number * 1000 + offset}: column {column!r} "
+                                 f"is {type(value).__name__}, not text")
+            yield value
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most PIECE_CHARS, cut after a newline where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(start + PIECE_CHARS, len(text))
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+def _cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column) -> str:
+    digest = hashlib.sha256()
+    resolved = source.resolve()
+    stats = [(str(f.resolve().relative_to(resolved)) if kind in ("saved", "folder") else f.name,
+              f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    digest.update(json.dumps([CACHE_VERSION, kind, str(resolved), stats, block_size, column,
+                              type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id]).encode())
+    folder = Path(tokenizer_folder) if tokenizer_folder else None
+    for name in TOKENIZER_FILES:  # the files that decide the tokens, by content
+        if folder is not None and (folder / name).is_file():
+            digest.update(name.encode() + hashlib.sha256((folder / name).read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _read_cache(path: Path, block_size: int) -> np.ndarray | None:
+    """The cached blocks, or None when there are none (or they are not what this run needs)."""
+    if not path.is_file():
+        return None
+    try:
+        blocks = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):  # a half-written or damaged file: tokenize again
+        return None
+    ok = blocks.ndim == 2 and blocks.shape[1] == block_size and len(blocks) > 0
+    return blocks if ok else None
+
+
+def _write_cache(path: Path, blocks: np.ndarray) -> None:
+    """Written beside its final name and renamed: a run killed mid-write leaves no half file, and
+    processes that write the same file at once each rename a whole one."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npy")
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, np.ascontiguousarray(blocks), allow_pickle=False)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise InputError(f"the token cache {path.parent} cannot be written: {exc.strerror}: choose "
+                         "another --cache-dir or output_dir") from None
