@@ -40,6 +40,7 @@ long, so 16 timed steps per run already give a steady median.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -198,6 +199,7 @@ def run_hf(model, data, opts, bf16: bool, device: torch.device, synchronize) -> 
 def timed(train, config, lora: bool, opts, synchronize) -> dict:
     """One run: `train(model)` on a fresh model; its step stamps, forward stamps and wall time."""
     forward: list[float] = []
+    gc.collect()  # the previous run's trainer and model: freed now, not during this run's steps
     model = build_model(config, lora, forward, synchronize)
     started = time.perf_counter()
     stamps = train(model)
@@ -222,12 +224,14 @@ def compare_part(opts, setting, data, config) -> list[dict]:
         for method in ("full", "lora"):
             lora = method == "lora"
             runs = {"hputrain": [], "hf": []}
-            for _ in range(opts.repeats):  # interleaved, so drift in the machine hits both alike
-                hputrain = partial(run_hputrain, data=data, opts=opts, bf16=bf16)
-                hf = partial(run_hf, data=data, opts=opts, bf16=bf16, device=setting.device,
-                             synchronize=setting.synchronize)
-                runs["hputrain"].append(timed(hputrain, config, lora, opts, setting.synchronize))
-                runs["hf"].append(timed(hf, config, lora, opts, setting.synchronize))
+            trainers = {"hputrain": partial(run_hputrain, data=data, opts=opts, bf16=bf16),
+                        "hf": partial(run_hf, data=data, opts=opts, bf16=bf16, device=setting.device,
+                                      synchronize=setting.synchronize)}
+            for repeat in range(opts.repeats):
+                # interleaved, so drift in the machine hits both alike, and in alternating order
+                # (AB BA ...), so that neither always runs just after the other
+                for name in (("hputrain", "hf") if repeat % 2 == 0 else ("hf", "hputrain")):
+                    runs[name].append(timed(trainers[name], config, lora, opts, setting.synchronize))
             records.append(record(f"{method} {precision}", "compare", opts, runs, baseline="hf"))
     return records
 

@@ -255,3 +255,24 @@ def test_rms_norm_rounds_where_llama_rounds(dtype):
     ours = CPUAccelerator().rms_norm(x, norm.weight, 1e-5)
     assert ours.dtype == dtype
     torch.testing.assert_close(ours, norm(x), rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_attention_recompute_reaches_fused_sdpa_from_training_arguments(tmp_path, fake_hpu):
+    """Optimum's flash_attention_recompute, spelled attention_recompute: a 12-key step that would
+    not recompute by default does when asked."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                             save_steps=-1, disable_tqdm=True, attention_recompute=True)
+    Trainer(build("llama"), args, train_dataset=hf_rows(2), accelerator=HPUOnCPU("eager")).train()
+    sdpa = [details for name, details in fake_hpu.calls if name == "FusedSDPA"]
+    assert len(sdpa) == 2 and all(d["recompute"] is True for d in sdpa)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("use_flash_attention", "fused_kernels"), ("flash_attention_recompute", "attention_recompute"),
+    ("use_fused_rms_norm", "fused_kernels"), ("use_fused_rope", "no public hook"),
+])
+def test_optimum_kernel_switches_say_what_to_use(name, words):
+    from hputrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        TrainingArguments(**{name: True})

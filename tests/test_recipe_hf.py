@@ -3,6 +3,7 @@ with LoRA) on local text, in-process through `hputrain.cli.main`, against transf
 the tokenizer themselves."""
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -228,14 +229,18 @@ def _bad_inputs(tmp, model):
         "block too long": (["--block-size", "4096"], ["longer than the 128 positions"]),
         "model size": (["--model-size", "small"], ["--model-size is for the built-in GPT recipe"]),
         "alpha alone": (["--lora-alpha", "16"], ["--lora-alpha needs --lora-r"]),
+        # the tracker's import is blocked in the test below (sys.modules["mlflow"] = None)
+        "tracker missing": (["--report-to", "mlflow"], ["report_to='mlflow' needs the mlflow package"]),
     }
 
 
 @pytest.mark.parametrize("case", ["no config", "hub name", "binary", "latin-1", "no text field",
                                   "too short", "no target", "block too long", "model size",
-                                  "alpha alone"])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, llama_folder, text_file, capsys, case):  # noqa: F811
+                                  "alpha alone", "tracker missing"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, llama_folder, text_file, capsys, monkeypatch,  # noqa: F811
+                                          case):
     pytest.importorskip("peft", reason="LoRA needs peft")
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
     argv, words = _bad_inputs(tmp_path, llama_folder)[case]
     start = ["--model", str(llama_folder), "--dataset", str(text_file)]
     assert main(["train", *start, "--output-dir", str(tmp_path / "out"), *SMALL, *argv]) == 2

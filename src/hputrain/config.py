@@ -336,6 +336,9 @@ class TrainingArguments:
     """The default collator pads ragged sequences up to the nearest of this many lengths, spaced
     evenly up to the model's maximum length, so lazy mode and graphs see a bounded number of
     shapes (Optimum for Intel Gaudi pads for the same reason)."""
+    attention_recompute: bool | None = None
+    """With fused_kernels on Gaudi, FusedSDPA recomputes attention in backward instead of keeping
+    it (Optimum's flash_attention_recompute); unset: from 8192 keys on."""
     fused_kernels: bool | str = "auto"
     """The device's fused kernels in Hugging Face models (attention through transformers'
     AttentionInterface, RMSNorm by a module swap): "auto" (on where not slower), True or False."""

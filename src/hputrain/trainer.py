@@ -89,6 +89,8 @@ class Trainer:
         self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.args, self.group, self.accelerator, self.precision)
         # the device's attention and RMSNorm kernels in a Hugging Face model (kernels.py)
+        if self.args.attention_recompute is not None:
+            self.accelerator.attention_recompute = self.args.attention_recompute
         self.kernels = kernels.substitute(model, self.accelerator, self.args.fused_kernels)
         # on the device, except a meta-device model, which fsdp shards before it materialises it
         self.model = self.strategy.place(self.precision.convert_module(model), self.device)

@@ -82,6 +82,14 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "torch_compile_mode": f"{_YET}: torch_compile=True compiles in the default mode",
     "data_seed": f"{_YET}: seed sets the data order too",
     "run_name": f"{_YET}: a run is named by its output_dir",
+    # run_clm.py's model arguments for Gaudi's kernels (docs/migrating.md)
+    "use_flash_attention": "is fused_kernels here (on by default: FusedSDPA on Gaudi)",
+    "flash_attention_recompute": "is spelled attention_recompute here",
+    "flash_attention_causal_mask": "is not needed: the kernel is told whenever the mask is causal",
+    "flash_attention_fast_softmax": "is not a switch here: put softmax in autocast_bf16_ops",
+    "use_fused_rms_norm": "is fused_kernels here (on by default: FusedRMSNorm on Gaudi)",
+    "use_fused_rope": "is not available: transformers has no public hook on its rotary "
+                      "embeddings (docs/kernels.md)",
 }
 FOREIGN_NAMES = {config.TrainingArguments: TRAINING_ARGUMENTS}
 

@@ -173,6 +173,10 @@ class Accelerator(ABC):
         """The kernel that runs each substitution here, by name (None: the device has none)."""
         return {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None}
 
+    #: Whether an attention kernel with a recompute mode (Gaudi's FusedSDPA) uses it: True,
+    #: False, or None for the device's default (TrainingArguments.attention_recompute).
+    attention_recompute: bool | None = None
+
     def prefers_fused_kernels(self) -> bool:
         """What fused_kernels="auto" means here: on where the kernels are not slower. torch's
         own SDPA is already transformers' default, and F.rms_norm is one op where RMSNorm modules
