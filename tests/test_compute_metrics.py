@@ -22,6 +22,9 @@ class Classifier(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
+EVAL_SIZE = 13  # does not split evenly over two ranks
+
+
 def classes(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 6, generator=g)
@@ -125,3 +128,27 @@ def test_accuracy_ignores_minus_100_and_checks_shapes():
     assert metrics.accuracy((logits, torch.tensor([1, 1, -100]).numpy())) == {"accuracy": 0.5}
     with pytest.raises(InputError, match="token_accuracy needs logits"):
         metrics.token_accuracy((logits, torch.tensor([1, 1, 0]).numpy()))
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_two_processes_see_the_whole_evaluation_set_once(tmp_path):
+    """Each rank evaluates its share; compute_metrics gets the gathered set: every sample once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "launch", "--nproc-per-node", "2",
+                           str(root / "tests" / "metrics_script.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "metrics.json").read_text())
+    model, rows = Classifier(), classes(EVAL_SIZE, seed=2)
+    with torch.no_grad():
+        logits = model.net(torch.stack([r["x"] for r in rows]))
+    expected = (logits.argmax(-1) == torch.stack([r["labels"] for r in rows])).double().mean().item()
+    assert result["eval_samples"] == EVAL_SIZE
+    assert result["eval_accuracy"] == pytest.approx(expected, abs=1e-12)
