@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 
 from ..config import ConfigError
@@ -184,7 +185,9 @@ def add_lora(model, options: HFOptions):
                              lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
                              target_modules=targets)
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT reads a name transformers 5 deprecates: not the user's
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as exc:
         raise InputError(f"LoRA cannot wrap {type(model).__name__}: {_first_line(exc)} (name its "
                          "layers with --lora-target-modules)") from None
