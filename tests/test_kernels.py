@@ -276,3 +276,18 @@ def test_optimum_kernel_switches_say_what_to_use(name, words):
 
     with pytest.raises(ConfigError, match=words):
         TrainingArguments(**{name: True})
+
+
+def test_fallbacks_in_training_are_counted_in_the_summary(tmp_path):
+    """A forward asking for attention weights (which no fused kernel returns) goes to
+    transformers' own path, and the run's summary record says how many calls did."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                             save_steps=-1, disable_tqdm=True, report_to="none", fused_kernels=True)
+
+    def loss_with_attention_weights(model, batch):
+        return model(**batch, output_attentions=True).loss
+
+    Trainer(build("llama"), args, train_dataset=hf_rows(4),
+            compute_loss=loss_with_attention_weights).train()
+    summary = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["attention_fallback_calls"] == 2 * 2  # two layers, two steps

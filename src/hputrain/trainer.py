@@ -229,6 +229,8 @@ class Trainer:
             self._load_best()
         summary = {"step": step, **clock.summary(self._flops_per_token(), *self._peak_flops()),
                    **watch.summary()}
+        if fallbacks := self.kernels.get(kernels.FALLBACK):  # calls a fused kernel could not take
+            summary["attention_fallback_calls"] = fallbacks
         self._call("on_log", summary)
         return summary
 
