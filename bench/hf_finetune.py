@@ -18,7 +18,7 @@ steps, data loaded in the main process unless said, no evaluation, no checkpoint
 progress bar, a log line only at the end. LoRA: peft's get_peft_model, r 8, alpha 16, dropout
 0.05 on q_proj and v_proj.
 
-Step times are stamped after every optimizer step by a callback (hputrain.callbacks.Callback,
+Step times are stamped after every optimizer step by a callback (common.StepTimes,
 transformers.TrainerCallback), the device synchronised first; the first --warmup steps are left
 out. A forward pre-hook on the model stamps every step's start too: where a trainer does not call
 its callbacks, both frameworks are compared on those stamps instead (the record says which), and
@@ -54,11 +54,10 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers fork after the tokenizer ran
 
 import torch
-from common import bf16_where_native, machine, median_step
+from common import StepTimes, bf16_where_native, machine, median_step
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
-from hputrain.callbacks import Callback
 from hputrain.data import read_corpus
 
 try:
@@ -144,19 +143,9 @@ def build_model(config, lora: bool, stamps: list[float], synchronize):
 
 # -- the two trainers ------------------------------------------------------------------------------
 
-class StepTimer(Callback):
-    """hputrain: the time at the end of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def on_step_end(self, trainer) -> None:
-        trainer.accelerator.synchronize()
-        self.stamps.append(time.perf_counter())
-
-
 class HFStepTimer(transformers.TrainerCallback):
-    """The Hugging Face Trainer: the same, from its on_step_end (after the optimizer step)."""
+    """The Hugging Face Trainer's counterpart of common.StepTimes: the end of every optimizer
+    step, from its on_step_end, the device synchronised first."""
 
     def __init__(self, synchronize) -> None:
         self.synchronize, self.stamps = synchronize, []
@@ -167,7 +156,7 @@ class HFStepTimer(transformers.TrainerCallback):
 
 
 def run_hputrain(model, data, opts, bf16: bool, collator=None, workers: int = 0) -> list[float]:
-    timer = StepTimer()
+    timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, max_steps=opts.steps, seed=SEED, per_device_train_batch_size=opts.batch,

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from hputrain import Trainer, TrainingArguments, loading
+from hputrain import Trainer, TrainingArguments
 from hputrain import data as data_module
 from hputrain.data import LoaderOptions, MicroBatches, default_collate, to_device
 from hputrain.errors import InputError
@@ -216,5 +216,5 @@ def test_batches_are_really_pinned_with_and_without_workers():
 
 def test_pin_keeps_the_batch_structure(pins):
     batch = {"a": torch.ones(1), "t": (torch.ones(2), "s"), "n": 3}
-    out = loading.pin(batch)
+    out = data_module.pin(batch)
     assert out["t"][1] == "s" and out["n"] == 3 and out["a"].is_pinned() and out["t"][0].is_pinned()

@@ -35,8 +35,8 @@ def drive(callback, trainer) -> None:
         trainer.global_step = record["step"]
         callback.on_step_end(trainer)
         callback.on_log(trainer, record)
-    callback.on_evaluate(trainer, EVAL)  # no "step": the trainer's global_step
-    callback.on_log(trainer, {"step": 4, **EVAL})  # the same values again at the same step
+    callback.on_evaluate(trainer, EVAL)  # the trainer's next call gives the same values
+    callback.on_log(trainer, {"step": 4, **EVAL})  # the evaluation's record: what is logged
     callback.on_log(trainer, SUMMARY)
     callback.on_train_end(trainer)
 

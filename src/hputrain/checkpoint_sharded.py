@@ -250,13 +250,10 @@ class ShardedState:
         if has_frozen_parameters(model):
             return
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(model, options=options)
+        from .export import host_state
+
+        full = host_state(model)  # gathered onto rank 0 (the others get nothing)
         if rank == 0:
             save_file(_each_once(full), str(path), metadata={"format": "pt"})
 

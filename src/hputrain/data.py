@@ -60,7 +60,7 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
     if not (root.is_file() or root.is_dir()):  # a FIFO, a device, a socket
         raise DataError(f"Corpus path {root} is neither a regular file nor a folder.")
     suffix = ".py" if path is None else None
-    files = [root] if root.is_file() else _walk_sorted(root, suffix)
+    files = [root] if root.is_file() else walk_sorted(root, suffix)
 
     chunks: list[bytes] = []
     size = 0
@@ -82,7 +82,7 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
     return corpus if max_bytes is None else corpus[:max_bytes]
 
 
-def _walk_sorted(root: Path, suffix: str | None) -> list[Path]:
+def walk_sorted(root: Path, suffix: str | None) -> list[Path]:
     """List the files under root in sorted, depth-first order, pruning skipped directories."""
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -328,19 +328,33 @@ def default_collator_for(model: torch.nn.Module, args):
                         args.length_buckets, max_length)
 
 
+def map_tensors(fn, batch):
+    """`batch` with `fn` applied to each of its tensors, in dicts (a Hugging Face collator's
+    BatchEncoding, a UserDict, becomes a dict), lists and tuples; anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
 def to_device(batch, device: torch.device, non_blocking: bool = False):
     """`batch` with its tensors on `device`. A non-blocking copy from host memory is asynchronous
     only from pinned memory (from pageable memory the copy waits), so an unpinned host tensor is
     pinned first where this host can pin (a CPU-only build cannot)."""
-    if isinstance(batch, torch.Tensor):
-        if non_blocking and _should_pin(batch, device):
-            batch = batch.pin_memory()
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):  # a dict, or a Hugging Face collator's BatchEncoding (a UserDict)
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if non_blocking and _should_pin(tensor, device):
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=non_blocking)
+    return map_tensors(copy, batch)
+
+
+def pin(batch):
+    """`batch` with its tensors in pinned host memory (MicroBatches without workers; with
+    workers the loader pins them)."""
+    return map_tensors(lambda tensor: tensor if tensor.is_pinned() else tensor.pin_memory(), batch)
 
 
 def _should_pin(tensor: torch.Tensor, device) -> bool:
@@ -428,7 +442,7 @@ class MicroBatches:
         else:
             batches = (self.collate([self.dataset[i] for i in mine])
                        for mine in self.index_lists(start_step, epochs))
-        yield from (map(loading.pin, batches) if self.loading.pin_memory else batches)
+        yield from (map(pin, batches) if self.loading.pin_memory else batches)
 
     def index_lists(self, start_step: int = 0, epochs: int | None = None):
         """A map-style dataset: the sample indices of this rank's micro-batches, in order."""

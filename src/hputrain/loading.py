@@ -28,7 +28,6 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import warnings
-from collections.abc import Mapping
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -120,15 +119,3 @@ def _start_method():
     if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")
     return None
-
-
-def pin(batch):
-    """`batch` with its tensors in pinned host memory (MicroBatches without workers; with
-    workers the loader pins them)."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.is_pinned() else batch.pin_memory()
-    if isinstance(batch, Mapping):
-        return {key: pin(value) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(value) for value in batch)
-    return batch

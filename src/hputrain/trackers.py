@@ -101,7 +101,6 @@ class MLflowCallback(Callback):
         self._mlflow = _require("mlflow")
         self._client = self._run_id = None
         self._owns_run = False
-        self._logged: dict[str, tuple[int, float]] = {}  # key -> (step, value) last logged
 
     def on_train_begin(self, trainer) -> None:
         if not trainer.group.is_main:
@@ -116,17 +115,10 @@ class MLflowCallback(Callback):
             self._client = self._mlflow.MlflowClient(self._tracking_uri())
             run = self._client.create_run(self._experiment_id(), run_name=_run_name(self.output_dir))
             self._run_id, self._owns_run = run.info.run_id, True
-        self._logged.clear()
         params = [Param(key[:_MLFLOW_PARAM_KEY_CHARS], value[:_MLFLOW_PARAM_VALUE_CHARS])
                   for key, value in _flatten(_as_dict(self.args)).items()]
         for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
             self._client.log_batch(self._run_id, params=params[start:start + _MLFLOW_PARAMS_PER_BATCH])
-
-    def on_log(self, trainer, record: dict) -> None:
-        self._log(trainer, record)
-
-    def on_evaluate(self, trainer, metrics: dict) -> None:
-        self._log(trainer, metrics)
 
     def on_train_end(self, trainer) -> None:
         if self._run_id is None:
@@ -135,19 +127,16 @@ class MLflowCallback(Callback):
             self._client.set_terminated(self._run_id, status=_end_status(trainer))
         self._client = self._run_id = None
 
-    def _log(self, trainer, values: dict) -> None:
+    def on_log(self, trainer, record: dict) -> None:
+        """Every record (logging steps, evaluations, the summary) comes here once: on_evaluate's
+        metrics are the evaluation record's, so this callback does not take that hook."""
         if self._run_id is None:
             return
         from mlflow.entities import Metric
 
-        step = int(values.get("step", trainer.global_step))
+        step = int(record.get("step", trainer.global_step))
         now = int(time.time() * 1000)
-        # The same record can arrive twice at one step (on_log and on_evaluate): MLflow would
-        # keep both points, so a value already logged at this step is not logged again.
-        fresh = {key: value for key, value in _metrics(values).items()
-                 if self._logged.get(key) != (step, value)}
-        self._logged.update((key, (step, value)) for key, value in fresh.items())
-        metrics = [Metric(key, value, now, step) for key, value in fresh.items()]
+        metrics = [Metric(key, value, now, step) for key, value in _metrics(record).items()]
         for start in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
             self._client.log_batch(self._run_id, metrics=metrics[start:start + _MLFLOW_METRICS_PER_BATCH])
 
@@ -213,12 +202,6 @@ class WandbCallback(Callback):
                                reinit="create_new")
         self._owns_run = True
 
-    def on_log(self, trainer, record: dict) -> None:
-        self._log(trainer, record)
-
-    def on_evaluate(self, trainer, metrics: dict) -> None:
-        self._log(trainer, metrics)
-
     def on_train_end(self, trainer) -> None:
         if self._run is None:
             return
@@ -229,10 +212,11 @@ class WandbCallback(Callback):
                       f"`wandb sync {self._run.settings.sync_dir}`", file=sys.stderr)
         self._run = None
 
-    def _log(self, trainer, values: dict) -> None:
-        metrics = _metrics(values)
+    def on_log(self, trainer, record: dict) -> None:
+        """Every record once (see MLflowCallback.on_log); records of one step merge into a row."""
+        metrics = _metrics(record)
         if self._run is not None and metrics:
-            self._run.log(metrics, step=int(values.get("step", trainer.global_step)))
+            self._run.log(metrics, step=int(record.get("step", trainer.global_step)))
 
 
 def _wandb_mode() -> str | None:

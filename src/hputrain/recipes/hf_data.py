@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data import walk_sorted
 from ..errors import InputError
 from ..files import NotARegularFile, read_regular_file
 
@@ -138,8 +139,7 @@ def _source(path: Path) -> tuple[str, list[Path]]:
     if not path.exists():
         raise InputError(f"--dataset {path} does not exist: give {SHAPES}")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = walk_sorted(path, suffix=None)  # hidden entries and caches left out, as data.py reads
         if any((path / marker).is_file() for marker in SAVED_MARKERS):
             return "saved", files
         if not files:
