@@ -4,6 +4,8 @@ One process is a group of one, and every method below is then a no-op (no proces
 initialised), so the trainer never branches on whether it is distributed."""
 from __future__ import annotations
 
+import atexit
+
 import datetime
 import os
 from collections.abc import Callable
@@ -115,6 +117,9 @@ class ProcessGroup:
             backend = self.backend() if callable(self.backend) else self.backend
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                     store=self._attempt_store(timeout))
+            # Joined here, left here: torch warns of (and a backend's threads, still running at
+            # interpreter exit, can abort the process over) a group never destroyed.
+            atexit.register(_leave_process_group)
         self.mesh = self.dims.build(device_type)
         # Host values (a step's token count, a stop request) meet on Gloo whatever the device's
         # backend: no device sync, and a collective every rank reaches at the same point.
@@ -180,3 +185,9 @@ def _check_rendezvous_env(world: int) -> None:
                          f"{'is' if len(missing) == 1 else 'are'} not: start the processes with "
                          f"`hputrain launch`, or set MASTER_ADDR and MASTER_PORT on every node")
     check_port(os.environ["MASTER_PORT"], "MASTER_PORT")
+
+
+def _leave_process_group() -> None:
+    """At exit: destroy the default process group this process joined (no collective)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
