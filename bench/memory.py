@@ -99,16 +99,14 @@ def state_worker(opts, data) -> dict:
 
 def saved_worker(opts, data) -> dict:
     """Bytes kept for backward in the last of `steps` steps, counted around the model's forward:
-    as SavedForBackward reports them, and without the parameters' storages, which it counts when
-    autograd keeps a view of a weight (Linear keeps weight.t(), not the Parameter itself)."""
+    all of them, and without the parameters' storages (SavedForBackward's exclude), which count
+    when autograd keeps a view of a weight (Linear keeps weight.t(), not the Parameter itself)."""
     counts = []
 
     def loss(module, batch):
-        with SavedForBackward() as saved:
+        with SavedForBackward(exclude=module.parameters()) as saved:
             out = module(**batch)["loss"]
-        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        activations = sum(n for ptr, n in saved._storages.items() if ptr not in weights)
-        counts.append({"saved": saved.nbytes, "activations": activations})
+        counts.append({"saved": saved.nbytes + saved.excluded_nbytes, "activations": saved.nbytes})
         return out
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -3,13 +3,16 @@ plain python (the Trainer then launches itself, devices × num_nodes), or in-pro
 single-process reference.
 
     fsdp_script.py OUTPUT_DIR PER_DEVICE_BATCH STRATEGY [--fsdp MODE] [--accumulate K]
-        [--checkpointing] [--meta] [--bf16] [--offload] [--devices N] [--num-nodes M]
+        [--checkpointing] [--meta] [--bf16] [--fp8 --width 64] [--text] [--compile] [--offload]
+        [--devices N] [--num-nodes M]
 
 Global rank 0 writes OUTPUT_DIR/weights.pt (the full weights after training, gathered from the
 shards), OUTPUT_DIR/initial.pt (the full weights before the first step) and OUTPUT_DIR/layout.json
-(how the first block's MLP weight is placed).
+(how the first block's MLP weight is placed, which layers compute in fp8, whether the model ran
+compiled).
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,9 +29,24 @@ CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 
 def full_weights(model) -> dict:
-    """The model's state, each tensor whole (a collective under fsdp: every rank calls it)."""
+    """The model's state, each tensor whole (a collective under fsdp: every rank calls it); an fp8
+    layer's scaling state (`_extra_state`, a dict of this rank's tensors) as it is."""
     return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
-            for key, value in model.state_dict().items()}
+            if torch.is_tensor(value) else value for key, value in model.state_dict().items()}
+
+
+def text():
+    """Windows of the standard library's source: text a GPT learns from within 20 steps."""
+    from hputrain.data import load_corpus
+
+    return load_corpus(seq_len=16, max_bytes=100_000)[0]
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def main(argv=None):
@@ -43,6 +61,10 @@ def main(argv=None):
     p.add_argument("--meta", action="store_true", help="build the model on the meta device")
     p.add_argument("--init-on-meta", action="store_true", help="fsdp_init_on_meta=True")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="fp8=True (give --width 64 or more)")
+    p.add_argument("--text", action="store_true", help="train on text, not random tokens")
+    p.add_argument("--width", type=int, default=CONFIG.n_embd, help="n_embd of the GPT")
+    p.add_argument("--compile", action="store_true", help='execution_mode="compile"')
     p.add_argument("--op-lists", action="store_true", help="bf16 with Gaudi-style op lists")
     p.add_argument("--offload", action="store_true")
     p.add_argument("--eval", action="store_true", help="evaluate at the end")
@@ -51,11 +73,12 @@ def main(argv=None):
     p.add_argument("--num-nodes", type=int, default=1)
     opts = p.parse_args(argv)
     torch.manual_seed(0)
+    gpt_config = dataclasses.replace(CONFIG, n_embd=opts.width)  # fp8 takes Linear layers of 64 and up
     if opts.meta:
         with torch.device("meta"):
-            model = GPT(CONFIG)
+            model = GPT(gpt_config)
     else:
-        model = GPT(CONFIG)
+        model = GPT(gpt_config)
     fsdp_options = {}
     if opts.strategy == "fsdp":
         fsdp_options = {"fsdp": opts.fsdp, "fsdp_cpu_offload": opts.offload,
@@ -68,11 +91,12 @@ def main(argv=None):
                              strategy=opts.strategy, devices=opts.devices, num_nodes=opts.num_nodes,
                              ddp_timeout=60, bf16=opts.bf16 and not opts.op_lists,
                              gradient_checkpointing=opts.checkpointing, report_to="none",
+                             fp8=opts.fp8, execution_mode="compile" if opts.compile else "auto",
                              **fsdp_options)
     config = (AcceleratorConfig(use_torch_autocast=True, autocast_bf16_ops=["linear", "matmul"],
                                 autocast_fp32_ops=["softmax", "cross_entropy", "layer_norm"])
               if opts.op_lists else None)
-    trainer = Trainer(model, args, train_dataset=data(), accelerator_config=config,
+    trainer = Trainer(model, args, train_dataset=text() if opts.text else data(), accelerator_config=config,
                       eval_dataset=data(16) if opts.eval else None)
     initial = full_weights(model)
     trainer.train()
@@ -81,7 +105,8 @@ def main(argv=None):
         weight = model.blocks[0].mlp.fc.weight
         layout = {"placements": [str(p) for p in getattr(weight, "placements", ())],
                   "local_rows": weight.to_local().shape[0] if hasattr(weight, "to_local") else None,
-                  "dtype": str(weight.dtype)}
+                  "dtype": str(weight.dtype), "fp8_layers": getattr(trainer.precision, "layers", []),
+                  "wrapper": type(trainer.wrapped).__name__, "graphs": compiled_graphs()}
         with open(os.path.join(opts.output_dir, "layout.json"), "w") as f:
             json.dump(layout, f)
         torch.save(initial, os.path.join(opts.output_dir, "initial.pt"))

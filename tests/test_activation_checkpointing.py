@@ -170,6 +170,34 @@ def test_saved_for_backward_bytes_fall(kind):
     assert saved[1] < saved[0] / 2, saved
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_saved_for_backward_leaves_out_the_excluded_weights(kind):
+    """Linear keeps weight.t() for backward, a view in the weight's storage, not the Parameter:
+    counted by SavedForBackward(), left out with exclude=model.parameters() and counted apart
+    in excluded_nbytes (each Linear weight's bytes, once, the GPT's tied head too); the rest is
+    the same count. With checkpointing the excluded weights fall out too: blocks keep nothing."""
+    kind = _llama() if kind == "llama" else kind
+    model = script.build(kind, layers=2)
+    model.train()
+    with SavedForBackward() as everything:
+        model(**_batch(kind))
+    with SavedForBackward(exclude=model.parameters()) as activations:
+        model(**_batch(kind))
+    storages = {m.weight.untyped_storage().data_ptr(): m.weight.untyped_storage().nbytes()
+                for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert activations.excluded_nbytes == sum(storages.values()) > 0
+    assert activations.nbytes + activations.excluded_nbytes == everything.nbytes
+    assert 0 < activations.nbytes < everything.nbytes
+
+    apply_activation_checkpointing(model, TrainingArguments(**ON))
+    with SavedForBackward(exclude=model.parameters()) as checkpointed:
+        model(**_batch(kind))
+    heads = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and not any(f"{b}." in name for b in ("blocks", "layers"))]  # outside the blocks
+    assert checkpointed.excluded_nbytes == sum(m.weight.untyped_storage().nbytes() for m in heads)
+    assert checkpointed.nbytes < activations.nbytes / 2
+
+
 @pytest.mark.parametrize("kind, layers, every, expected", [
     ("gpt", 5, 1, [2, 2, 2, 2, 2]),
     ("gpt", 5, 2, [2, 1, 2, 1, 2]),

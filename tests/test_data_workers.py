@@ -1,15 +1,21 @@
 """Data workers (dataloader_num_workers): the batches of a run without workers, bitwise and in
 order, on every rank, across epochs and from a resumed step; a Trainer's resume with workers;
-pinned memory (the decisions on this CPU-only machine, the pinning itself where a GPU is)."""
+workers started by spawn (macOS, Windows), which receive the collator pickled; pinned memory (the
+decisions on this CPU-only machine, the pinning itself where a GPU is)."""
+import multiprocessing
 import os
+import pickle
 
 import pytest
 import torch
 
 from hputrain import Trainer, TrainingArguments
 from hputrain import data as data_module
-from hputrain.data import LoaderOptions, MicroBatches, default_collate, to_device
+from hputrain import loading
+from hputrain.data import (DropUnusedColumns, LoaderOptions, MicroBatches, PadToBuckets, default_collate,
+                           default_collator_for, to_device)
 from hputrain.errors import InputError
+from hputrain.models.gpt import GPT, GPTConfig
 
 from .test_trainer import Regression, regression_data
 
@@ -152,6 +158,90 @@ def test_trainer_with_workers_resumes_exactly(tmp_path):
     for (name, p), q, r in zip(straight.named_parameters(), reference.parameters(), resumed.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r), name
     assert not torch.equal(Dropped().net[0].weight, straight.net[0].weight)  # it did train
+
+
+# -- workers started by spawn (macOS, Windows): the dataset and the collator travel pickled --------------
+
+class Rows(torch.utils.data.Dataset):
+    """regression_data's samples with a text column that no model takes, each saying which
+    process loaded it."""
+
+    def __init__(self, n=40):
+        self.rows = regression_data(n)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {**self.rows[i], "text": f"row {i}", "pid": os.getpid()}
+
+
+class SaysWhere(Dropped):
+    def forward(self, x, y, pid):  # pid: which process loaded the samples (kept in the batch)
+        return super().forward(x, y)
+
+
+def spawned_run(tmp_path, name, workers):
+    """8 steps (2 micro-batches each) of SaysWhere, every batch as the step received it."""
+    seen = []
+
+    def loss(module, batch):
+        seen.append(batch)
+        return module(**batch)["loss"]
+
+    args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=8, save_steps=0, logging_steps=4,
+                             learning_rate=1e-2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             disable_tqdm=True, dataloader_num_workers=workers, seed=3, report_to="none")
+    model = SaysWhere()
+    trainer = Trainer(model, args, train_dataset=Rows(), compute_loss=loss)
+    trainer.train()
+    return trainer, model, seen
+
+
+def test_workers_started_by_spawn_train_as_without_workers(tmp_path, monkeypatch):
+    """As on macOS and Windows: the loader's workers are spawned, so the dataset and the Trainer's
+    collator reach them pickled. The collator (data.DropUnusedColumns around default_collate)
+    pickles without the Trainer, drops the text column in the workers, and a short run (40
+    samples, 8 a step: across an epoch's end, with dropout) sees the batches of a run without
+    workers, bitwise, and ends on the same weights."""
+    starts = []
+
+    def spawn():
+        starts.append(1)
+        return multiprocessing.get_context("spawn")
+
+    monkeypatch.setattr(loading, "_start_method", spawn)
+    trainer, reference, without = spawned_run(tmp_path, "no-workers", 0)
+    collate = pickle.dumps(trainer._collate)
+    assert b"Trainer" not in collate and len(collate) < 1000  # not the Trainer, its model, its optimizer
+    _, model, spawned = spawned_run(tmp_path, "spawned", 2)
+    assert starts == [1]  # one loader, started by spawn
+    assert len(spawned) == len(without) == 16
+    for a, b in zip(spawned, without):
+        assert a.keys() == b.keys() == {"x", "y", "pid"}  # the text column dropped
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    assert {int(p) for b in spawned for p in b["pid"]}.isdisjoint({os.getpid()})  # loaded in the workers
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_the_default_collators_pickle():
+    """default_collate, PadToBuckets (pad_to_multiple_of, length_buckets) and DropUnusedColumns
+    around each come back from pickle and batch as before."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64))
+    samples = [{"input_ids": torch.arange(n), "labels": torch.arange(n), "text": "t"} for n in (3, 7, 5)]
+    settings = [{}, {"pad_to_multiple_of": 8}, {"length_buckets": 4}]
+    collators = [default_collator_for(model, TrainingArguments(**s)) for s in settings]
+    assert collators[0] is default_collate and all(isinstance(c, PadToBuckets) for c in collators[1:])
+    for collate in collators:
+        for original in (collate, DropUnusedColumns(collate, frozenset({"input_ids", "labels"}))):
+            want, got = original(samples), pickle.loads(pickle.dumps(original))(samples)
+            assert want.keys() == got.keys()
+            for key, value in want.items():
+                assert torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value, key
+    batch = DropUnusedColumns(collators[2], frozenset({"input_ids", "labels"}))(samples)
+    assert batch.keys() == {"input_ids", "labels"} and batch["input_ids"].shape == (3, 16)
+    assert DropUnusedColumns(default_collate)(samples[:1])["text"] == ["t"]  # keep None: all kept
 
 
 # -- pinned memory -------------------------------------------------------------------------------------

@@ -141,3 +141,36 @@ def test_sharded_state_of_a_lora_holds_and_resumes_the_adapter(tmp_path, llama_f
         step.step()
     for name, value in adapter(model).items():
         assert torch.equal(adapter(resumed)[name], value), name
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_lora_resume_equals_a_straight_run(tmp_path):
+    """LoRA under fsdp on 2 processes (tests/fsdp_lora_script.py): 4 steps, then new processes
+    resuming from the sharded checkpoint-4 to step 6, end on the adapter of 6 straight steps,
+    bitwise, with the same losses. LoRA dropout is on, so each rank's RNG must come back too; the
+    learning rate is constant, since a 4-step run's decaying schedule is not a 6-step run's."""
+    from .hf_fixtures import tiny_llama_folder
+    from .test_distributed import ROOT, hputrain_launch
+
+    base = tiny_llama_folder(tmp_path / "base")
+    script = str(ROOT / "tests" / "fsdp_lora_script.py")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    first, _ = hputrain_launch("--nproc-per-node", "2", "--cpu", script, str(base), f"{straight},6",
+                               f"{stopped},4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    halfway = stopped / "checkpoint-4"
+    assert (halfway / SHARDED_DIR).is_dir() and not (halfway / checkpoint.MODEL_FILE).exists()
+    at_four = torch.load(stopped / "adapter.pt")
+    second, _ = hputrain_launch("--nproc-per-node", "2", "--cpu", script, str(base),
+                                f"{stopped},6,{halfway}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    want, got = torch.load(straight / "adapter.pt"), torch.load(stopped / "adapter.pt")
+    assert want.keys() == got.keys() and all("lora_" in name for name in want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+        assert not torch.equal(at_four[name], value), name  # steps 5 and 6 moved every adapter weight
+
+    def losses(folder):
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert losses(stopped) == losses(straight) and sorted(losses(straight)) == [1, 2, 3, 4, 5, 6]

@@ -179,6 +179,89 @@ def test_samples_validation_split_and_long_documents(tmp_path, tokenizer, monkey
     assert np.array_equal(np.concatenate([again.train.blocks, again.validation.blocks]), whole)
 
 
+def _save_splits(folder, splits: dict):
+    """A DatasetDict of {split: texts} written by save_to_disk."""
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": texts})
+                          for name, texts in splits.items()}).save_to_disk(str(folder))
+    return folder
+
+
+def _packed(tokenizer, texts):
+    ids = sum((tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for t in texts), [])
+    return np.array(ids[:len(ids) // BLOCK * BLOCK]).reshape(-1, BLOCK)
+
+
+TRAIN_TEXTS = [f"{i} {SAMPLE_TEXT[i % 4]}" for i in range(120)]
+VALIDATION_TEXTS = [f"{SAMPLE_TEXT[i % 4][::-1]} {i}" for i in range(30)]
+
+
+def test_a_dataset_dicts_own_validation_split_is_the_validation_set(tmp_path, tokenizer, monkeypatch):
+    """As run_clm: a DatasetDict with a "validation" split is evaluated on that split (packed by
+    itself), and training keeps every block of "train"; a "test" split is not one, and a
+    percentage of 0 still means no evaluation. Each split has its own cache file, read back on the
+    next load; the hold-out of a DatasetDict without one is cached apart from both."""
+    calls = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    folder = _save_splits(tmp_path / "dict", {"train": TRAIN_TEXTS, "validation": VALIDATION_TEXTS})
+    data = _blocks(folder, tokenizer, tmp_path, validation_percentage=5)
+    assert data.own_validation and not data.from_cache
+    assert np.array_equal(data.train.blocks, _packed(tokenizer, TRAIN_TEXTS))  # nothing held out
+    assert np.array_equal(data.validation.blocks, _packed(tokenizer, VALIDATION_TEXTS))
+    files = sorted((tmp_path / "cache").glob("blocks-*.npy"))
+    assert len(files) == 2 and data.cache_file in files
+    calls.clear()
+    again = _blocks(folder, tokenizer, tmp_path, validation_percentage=5)
+    assert again.from_cache and again.own_validation and not calls
+    assert np.array_equal(again.validation.blocks, data.validation.blocks)
+
+    none = _blocks(folder, tokenizer, tmp_path, validation_percentage=0)
+    assert none.validation is None and not none.own_validation
+    assert np.array_equal(none.train.blocks, data.train.blocks)
+
+    other = _save_splits(tmp_path / "test-split", {"train": TRAIN_TEXTS, "test": VALIDATION_TEXTS})
+    held = _blocks(other, tokenizer, tmp_path, validation_percentage=10)
+    assert not held.own_validation and held.cache_file not in files
+    whole = _packed(tokenizer, TRAIN_TEXTS)
+    assert np.array_equal(np.concatenate([held.train.blocks, held.validation.blocks]), whole)
+    assert len(held.validation) == max(1, int(len(whole) * 10 / 100))
+
+
+def test_a_validation_split_too_short_for_a_block_is_one_line(tmp_path, tokenizer):
+    folder = _save_splits(tmp_path / "dict", {"train": TRAIN_TEXTS, "validation": ["short"]})
+    with pytest.raises(hf_data.InputError, match=r"\(its validation split\) has \d+ tokens, fewer than one block"):
+        _blocks(folder, tokenizer, tmp_path, validation_percentage=5)
+
+
+def test_train_evaluates_on_the_validation_split_and_says_so(tmp_path, llama_folder, tokenizer, capsys):  # noqa: F811
+    """The run's header names the validation set, and its eval_loss is the trained model's
+    loss on the validation split's blocks, computed here with transformers."""
+    folder = _save_splits(tmp_path / "dict", {"train": TRAIN_TEXTS, "validation": VALIDATION_TEXTS})
+    out = tmp_path / "run"
+    assert train(out, llama_folder, folder, "--max-steps", "2", "--per-device-eval-batch-size", "4") == 0
+    expected = _packed(tokenizer, VALIDATION_TEXTS)
+    stdout = capsys.readouterr().out
+    assert f"validation: the data set's own validation split, {len(expected)} blocks" in stdout, stdout
+    assert f"{len(_packed(tokenizer, TRAIN_TEXTS))} training and {len(expected)} validation blocks" in stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    eval_loss = next(r["eval_loss"] for r in records if "eval_loss" in r)
+    model = transformers.AutoModelForCausalLM.from_pretrained(final_or_skip(out, stdout)).eval()
+    ids = torch.from_numpy(expected.astype(np.int64))
+    with torch.no_grad():
+        losses_ = [model(input_ids=b, labels=b).loss for b in ids.split(4)]
+    tokens = [len(b) * (BLOCK - 1) for b in ids.split(4)]
+    want = sum(loss * n for loss, n in zip(losses_, tokens)) / sum(tokens)
+    assert eval_loss == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_the_header_says_what_is_held_out(tmp_path, llama_folder, text_file, capsys):  # noqa: F811
+    assert train(tmp_path / "run", llama_folder, text_file, "--max-steps", "1") == 0
+    assert "validation: the last 5% of the blocks held out (--validation-split-percentage), " \
+        in capsys.readouterr().out
+
+
 def test_the_cache_is_reused_and_follows_the_inputs(tmp_path, tokenizer, text_file, monkeypatch):
     calls = []
     real = type(tokenizer).__call__

@@ -4,9 +4,9 @@ By default the corpus is the Python standard library's own source code, found on
 run time, so a training run needs no download. Bytes are tokens (vocab 256). The text is cut into
 windows of seq_len + 1 tokens; a window gives `input_ids` and `labels` shifted by one.
 
-Batching: the collators (default_collate, PadToBuckets for length buckets), the copy to the
-device (to_device) and the order of samples per step and rank (MicroBatches; worker processes
-in loading.py).
+Batching: the collators (default_collate, PadToBuckets for length buckets, DropUnusedColumns in
+front of either), the copy to the device (to_device) and the order of samples per step and rank
+(MicroBatches; worker processes in loading.py).
 """
 
 from __future__ import annotations
@@ -388,6 +388,22 @@ def model_input_names(model: torch.nn.Module) -> frozenset[str] | None:
     if not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return named
+
+
+class DropUnusedColumns:
+    """A collator that first leaves out of dict samples every key not in `keep`, then calls
+    `collate`: the Hugging Face Trainer's remove_unused_columns (a text column above all). `keep`
+    None leaves every key in. A class of its own, not a Trainer's bound method, so that it pickles
+    (whenever `collate` does) to data workers started by spawn (macOS, Windows) without the
+    Trainer, its model and its optimizer."""
+
+    def __init__(self, collate, keep: frozenset[str] | None = None) -> None:
+        self.collate, self.keep = collate, keep
+
+    def __call__(self, samples: list):
+        if self.keep is not None and isinstance(samples[0], Mapping):
+            samples = [{k: v for k, v in sample.items() if k in self.keep} for sample in samples]
+        return self.collate(samples)
 
 
 @dataclass(frozen=True)

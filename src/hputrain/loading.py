@@ -17,11 +17,13 @@ micro-batch holds; the loader only carries that decision out ahead of the step:
   so the order of a run without workers could not be kept: one worker it is, whatever
   num_workers says.
 
-Workers are forked where the platform can fork (Linux), so the dataset and the collator (the
-Trainer's bound `_collate`) are inherited, not pickled. Their own random state is seeded from a
-generator of their own, so starting them draws nothing from the training process's RNG; a
-collator that draws random numbers (masking) draws from the workers' state instead, so its
-batches differ from those of a run without workers.
+Workers are forked where the platform can fork (Linux), so the dataset and the collator are
+inherited, not pickled; elsewhere (macOS, Windows) they are started by spawn and receive both
+pickled. The Trainer's collator is a data.DropUnusedColumns around the user's collator (or
+default_collate, or PadToBuckets), which pickles without the Trainer. The workers' own random
+state is seeded from a generator of their own, so starting them draws nothing from the training
+process's RNG; a collator that draws random numbers (masking) draws from the workers' state
+instead, so its batches differ from those of a run without workers.
 """
 from __future__ import annotations
 
@@ -114,8 +116,8 @@ def in_workers(batches, start_step: int = 0, epochs: int | None = None):
 
 def _start_method():
     """fork where the platform has it and it is safe (Linux): workers then inherit the dataset
-    and the collator instead of unpickling them, which a Trainer's bound method would need.
-    Elsewhere (macOS, Windows) the platform's default, which pickles."""
+    and the collator instead of unpickling them, and start at once. Elsewhere (macOS, Windows)
+    the platform's default, spawn, which pickles them."""
     if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")
     return None

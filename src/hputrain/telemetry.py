@@ -15,11 +15,20 @@ METRICS_FILE = "metrics.jsonl"
 class SavedForBackward:
     """`with SavedForBackward() as saved: loss = model(**batch)`; then `saved.nbytes` is what
     autograd kept for backward inside the block: each storage once, parameters left out (they
-    exist anyway). Exact and free of allocator noise, unlike a peak-memory reading."""
+    exist anyway). Exact and free of allocator noise, unlike a peak-memory reading.
 
-    def __init__(self) -> None:
+    A layer may keep a view of a weight rather than the Parameter itself (Linear keeps
+    `weight.t()`), whose storage is the weight's: counted, unless the weights are given as
+    `exclude` (`SavedForBackward(exclude=model.parameters())`), whose storages are then left out
+    of `nbytes` and counted apart in `excluded_nbytes`. A copy (a bf16 weight under autocast) has
+    a storage of its own and is counted either way.
+    """
+
+    def __init__(self, exclude=()) -> None:
         import torch
 
+        self._excluded = {_storage_of(t).data_ptr() for t in exclude}
+        self._excluded.discard(0)  # an empty (or meta) tensor has no storage to leave out
         self._storages: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -27,7 +36,7 @@ class SavedForBackward:
         import torch
 
         if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
+            storage = _storage_of(tensor)
             self._storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -40,7 +49,20 @@ class SavedForBackward:
 
     @property
     def nbytes(self) -> int:
-        return sum(self._storages.values())
+        """Bytes kept for backward, the excluded tensors' storages left out."""
+        return sum(n for ptr, n in self._storages.items() if ptr not in self._excluded)
+
+    @property
+    def excluded_nbytes(self) -> int:
+        """Bytes kept for backward that lie in the excluded tensors' storages (weights' views)."""
+        return sum(n for ptr, n in self._storages.items() if ptr in self._excluded)
+
+
+def _storage_of(tensor):
+    """The storage holding `tensor`'s values: a sharded parameter's (a DTensor's) is its local
+    shard's."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage()
 
 
 def job_peak_flops(accelerator, dtype, world_size: int) -> tuple[float | None, float | None]:

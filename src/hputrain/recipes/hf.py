@@ -34,7 +34,8 @@ class HFOptions:
     block_size: int | None = None
     """Tokens per training sequence; unset means min(1024, the model's maximum length)."""
     validation_split_percentage: float = 5.0
-    """Percent of the blocks held out for evaluation (at least one); 0 means no evaluation."""
+    """Percent of the blocks held out for evaluation (at least one), unless the data set is a
+    DatasetDict with a "validation" split, which is evaluated on instead; 0 means no evaluation."""
     cache_dir: str | None = None
     """Where the tokenized data set is cached; unset means output_dir/.cache."""
     lora_r: int | None = None
@@ -243,12 +244,20 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
         name = f"{type(model.get_base_model()).__name__} + LoRA r={options.lora_r} on {targets}"
     held_out = len(data.validation) if data.validation is not None else 0
     cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
+    if data.own_validation:
+        validation = f"the data set's own validation split, {held_out} blocks"
+    elif held_out:
+        validation = (f"the last {options.validation_split_percentage:g}% of the blocks held out "
+                      f"(--validation-split-percentage), {held_out} blocks")
+    else:
+        validation = "none (--validation-split-percentage 0)"
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
             f"hputrain: {len(data.train)} training and {held_out} validation blocks of {block_size} "
-            f"tokens from {options.dataset} ({cached})")
+            f"tokens from {options.dataset} ({cached})\n"
+            f"hputrain: validation: {validation}")
 
 
 def _count(n: int) -> str:

@@ -7,9 +7,14 @@ A document is a file, a record or a row: its tokens are followed by the tokenize
 everything is cut into blocks of `block_size` tokens (the tail shorter than a block is dropped,
 as run_clm does), so that every step has the same shapes and graph-compiling devices compile once.
 
-The blocks are cached in one .npy file whose name is a hash of what decides them (the data set's
-files with their sizes and modification times, the tokenizer's files, the block size, the text
-field), so a second run with the same inputs reads them back instead of tokenizing again.
+Validation, as run_clm does it: a DatasetDict (save_to_disk) with a "validation" split is
+evaluated on that split, packed the same way by itself; any other data set holds out the last
+`validation_percentage` percent of its blocks.
+
+The blocks are cached in one .npy file per split whose name is a hash of what decides them (the
+data set's files with their sizes and modification times, the split, the tokenizer's files, the
+block size, the text field), so a second run with the same inputs reads them back instead of
+tokenizing again.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ BATCH_PIECES = 256  # pieces per tokenizer call: the fast tokenizers work a batc
 SHAPES = ("a UTF-8 text file, a folder of text files, a JSON Lines file with a text field, or a "
           "folder written by datasets' save_to_disk")
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+SPLITS_FILE = "dataset_dict.json"  # a DatasetDict's save_to_disk names its splits here
+TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"  # run_clm's names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja")
@@ -60,23 +67,38 @@ class Blocks:
     validation: BlockDataset | None
     cache_file: Path
     from_cache: bool
+    own_validation: bool = False
+    """The validation blocks are the data set's own validation split (not held out of train)."""
 
 
 def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "text",
                 validation_percentage: float = 5, cache_dir: str | Path,
                 tokenizer_folder: str | Path | None = None) -> Blocks:
-    """The data set at `path` as training and validation blocks (the last
-    `validation_percentage` percent of the blocks, at least one, unless it is 0)."""
+    """The data set at `path` as training and validation blocks: a DatasetDict's own
+    "validation" split, else the last `validation_percentage` percent of the blocks (at least
+    one). A percentage of 0 means no validation blocks either way."""
     source = Path(path)
     kind, files = _source(source)
-    key = _cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column)
-    cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
-    blocks = _read_cache(cache_file, block_size)
-    from_cache = blocks is not None
-    if blocks is None:
-        ids = token_ids(_documents(kind, source, files, text_column), tokenizer)
-        blocks = pack(ids, block_size, path)
+    own = (kind == "saved" and validation_percentage > 0
+           and VALIDATION_SPLIT in _saved_splits(source))
+
+    def blocks_of(split: str, where: str) -> tuple[np.ndarray, Path, bool]:
+        key = _cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column,
+                         split if kind == "saved" else None)
+        cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
+        blocks = _read_cache(cache_file, block_size)
+        if blocks is not None:
+            return blocks, cache_file, True
+        ids = token_ids(_documents(kind, source, files, text_column, split), tokenizer)
+        blocks = pack(ids, block_size, where)
         _write_cache(cache_file, blocks)
+        return blocks, cache_file, False
+
+    blocks, cache_file, from_cache = blocks_of(TRAIN_SPLIT, path)
+    if own:
+        held_out, _, cached = blocks_of(VALIDATION_SPLIT, f"{path} (its {VALIDATION_SPLIT} split)")
+        return Blocks(BlockDataset(blocks), BlockDataset(held_out), cache_file, from_cache and cached,
+                      own_validation=True)
     train, validation = split(blocks, validation_percentage, path)
     return Blocks(BlockDataset(train), None if validation is None else BlockDataset(validation),
                   cache_file, from_cache)
@@ -150,9 +172,20 @@ def _source(path: Path) -> tuple[str, list[Path]]:
     return "text", [path]
 
 
-def _documents(kind: str, path: Path, files: list[Path], column: str) -> Iterator[str]:
+def _saved_splits(path: Path) -> list[str]:
+    """The split names of a DatasetDict written by save_to_disk ([] for a single Dataset, or
+    a file datasets will refuse when it loads the folder)."""
+    try:
+        splits = json.loads((path / SPLITS_FILE).read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [name for name in splits if isinstance(name, str)] if isinstance(splits, list) else []
+
+
+def _documents(kind: str, path: Path, files: list[Path], column: str,
+               split: str = TRAIN_SPLIT) -> Iterator[str]:
     if kind == "saved":
-        yield from _saved_rows(path, column)
+        yield from _saved_rows(path, column, split)
     elif kind == "jsonl":
         yield from _json_records(path, column)
     else:
@@ -213,8 +246,8 @@ def _text_field(record, column: str, where: str) -> str:
     return value
 
 
-def _saved_rows(path: Path, column: str) -> Iterator[str]:
-    """The text column of a folder written by save_to_disk (a DatasetDict: its train split)."""
+def _saved_rows(path: Path, column: str, split: str = TRAIN_SPLIT) -> Iterator[str]:
+    """The text column of a folder written by save_to_disk (a DatasetDict: its `split`)."""
     try:
         import datasets
     except ImportError:
@@ -225,18 +258,20 @@ def _saved_rows(path: Path, column: str) -> Iterator[str]:
     except (OSError, ValueError, KeyError, FileNotFoundError) as exc:
         raise InputError(f"--dataset {path} cannot be loaded with datasets.load_from_disk: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    where = path
     if isinstance(data, datasets.DatasetDict):
-        if "train" not in data:
+        if TRAIN_SPLIT not in data:
             raise InputError(f"--dataset {path} holds the splits {', '.join(data)} and no 'train': "
                              "save the split to train on by itself")
-        data = data["train"]
+        data = data[split]
+        where = f"{path} (its {split} split)" if split != TRAIN_SPLIT else path
     if column not in data.column_names:
-        raise InputError(f"--dataset {path} has no {column!r} column (it has: "
+        raise InputError(f"--dataset {where} has no {column!r} column (it has: "
                          f"{', '.join(data.column_names)}): name it with --text-column")
     for number, batch in enumerate(data.iter(batch_size=1000)):
         for offset, value in enumerate(batch[column]):
             if not isinstance(value, str):
-                raise InputError(f"--dataset {path} row {number * 1000 + offset}: column {column!r} "
+                raise InputError(f"--dataset {where} row {number * 1000 + offset}: column {column!r} "
                                  f"is {type(value).__name__}, not text")
             yield value
 
@@ -255,13 +290,17 @@ def _pieces(text: str) -> Iterator[str]:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-def _cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column) -> str:
+def _cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column,
+               split: str | None = None) -> str:
+    """A hash of what decides the blocks; `split`: which split of a save_to_disk folder (None:
+    the other shapes, whose keys are then what they were before splits were read)."""
     digest = hashlib.sha256()
     resolved = source.resolve()
     stats = [(str(f.resolve().relative_to(resolved)) if kind in ("saved", "folder") else f.name,
               f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    digest.update(json.dumps([CACHE_VERSION, kind, str(resolved), stats, block_size, column,
-                              type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id]).encode())
+    decided = [CACHE_VERSION, kind, str(resolved), stats, block_size, column,
+               type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id]
+    digest.update(json.dumps(decided + ([split] if split else [])).encode())
     folder = Path(tokenizer_folder) if tokenizer_folder else None
     for name in TOKENIZER_FILES:  # the files that decide the tokens, by content
         if folder is not None and (folder / name).is_file():
