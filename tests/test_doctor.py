@@ -1,5 +1,7 @@
 """`hputrain doctor`: its findings on small scripts (tests/doctor_scripts/), a tiny Hugging Face
-Llama among them, and the CPU lazy backend's own gaps, each checked op by op."""
+Llama among them; the census of a run's batch shapes (shapes.py) and its walk over the Trainer's
+own batches; and the CPU lazy backend's own gaps, each checked op by op."""
+import importlib
 import json
 import os
 import subprocess
@@ -10,9 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hputrain import Callback, Trainer, TrainingArguments
 from hputrain.accelerators.cpu import CPUAccelerator
-from hputrain.accelerators.cpu_lazy import BACKEND_FALLBACKS, LazyBackendGaps, _composed_attention
-from hputrain.doctor import DoctorFinished
+from hputrain.accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads, LazyBackendGaps, _composed_attention
+from hputrain.data import PadToBuckets, default_collate
+from hputrain.doctor import DoctorFinished, diagnose, walk_run_batches
+from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.shapes import MAX_SHAPES, take_census
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 
@@ -56,11 +62,35 @@ def test_doctor_finds_fallbacks(tmp_path):
 
 
 def test_doctor_finds_changing_shapes(tmp_path):
+    """Rows of 8 to 63 tokens padded by the default collator to each batch's longest: the run's
+    shapes, with the TrainingArguments that fix them."""
     report = doctor(tmp_path, "ragged", steps=8)
     assert kinds(report) == ["recompilation"] and report["shapes"]["growing"]
     assert sum(report["compiles_per_step"][2:]) > 0
+    run = report["run_shapes"]
+    assert run["count"] > MAX_SHAPES and run["padding"] == "longest row" and run["collator"] == "default"
+    assert run["walked"] == "an epoch of 16 steps" and run["micro_batches"] == 16 and not run["lower_bound"]
     message = report["findings"][0]["message"]
-    assert "keep growing" in message and "pad or bucket" in message
+    assert f"the run's batches come in {run['count']} shapes" in message
+    assert "with length_buckets=4 (" in message and "the default collator pads input_ids" in message
+
+
+def step_records(*steps):
+    """Records as DoctorWatch makes them, from (width, compiles) per step."""
+    return [{"step": i, "compiles": compiles, "host_syncs": 0, "fallbacks": {},
+             "shapes": {"input_ids": [4, width]}, "attention_mask": None}
+            for i, (width, compiles) in enumerate(steps, start=1)]
+
+
+def test_the_first_step_s_shape_compiles_once_more():
+    """Step 1's graphs also create AdamW's state, so its shape compiles again when it next comes
+    (here at step 4, after the warm-up): not a finding. A shape that compiles again after that
+    is one."""
+    records = step_records((32, 3), (48, 3), (48, 0), (32, 2), (48, 0), (32, 0))
+    assert diagnose(records, 2, HostReads(locate=str))["findings"] == []
+    records[-1]["compiles"] = 2
+    [finding] = diagnose(records, 2, HostReads(locate=str))["findings"]
+    assert finding["message"].startswith("step(s) [6] compiled new graphs for batch shapes already compiled")
 
 
 def test_doctor_is_not_swallowed_by_except_exception(tmp_path):
@@ -87,12 +117,15 @@ def test_doctor_bad_input(tmp_path):
 @pytest.fixture
 def llama(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install hputrain[hf])")
-    return lambda *layout, env=None: doctor(tmp_path, *layout, script="llama.py", env=env)
+    return lambda *layout, env=None, steps=6, script="llama.py": doctor(tmp_path, *layout, steps=steps,
+                                                                      script=script, env=env)
 
 
 def test_doctor_llama_padded_to_a_fixed_length_is_clean(llama):
     report = llama("fixed")
     assert report["findings"] == [] and report["fallback_ops"] == {}
+    run = report["run_shapes"]  # the whole run's batches: one shape
+    assert (run["count"], run["padding"], run["bounded"], run["listing"]) == (1, "fixed", True, "[4, 32]")
     assert report["compiles_per_step"][2:] == [0, 0, 0, 0]
     # RoPE's sin is the CPU backend's gap, not the model's: left out, and the report says so
     assert set(report["backend_gaps_left_out"]) == {"sin"}
@@ -103,7 +136,8 @@ def test_doctor_llama_ragged_lengths_recompile(llama):
     report = llama("ragged")
     assert kinds(report) == ["recompilation"] and report["shapes"]["growing"]
     assert len(report["shapes"]["distinct"]) >= 4
-    assert "keep growing" in report["findings"][0]["message"]
+    assert report["run_shapes"]["padding"] == "longest row" and not report["run_shapes"]["bounded"]
+    assert "Your data_collator pads each batch to its longest row" in report["findings"][0]["message"]
 
 
 def test_doctor_llama_length_buckets_are_compiled_once(llama):
@@ -111,7 +145,44 @@ def test_doctor_llama_length_buckets_are_compiled_once(llama):
     assert report["findings"] == [] and not report["shapes"]["growing"]
     assert report["shapes"]["distinct"] == ["[4, 32]", "[4, 16]"]
     assert report["shapes"]["new_at_steps"] == [1, 3] and report["compiles_per_step"][2] > 0  # after warm-up
-    assert any(n.startswith("2 batch shapes, each compiled once") for n in report["notes"])
+    run = report["run_shapes"]  # the whole run: still those two
+    assert (run["count"], run["padding"], run["bounded"]) == (2, "other", True)
+    assert run["listing"] == "[4, L], L = 16, 32" and run["micro_batches"] == 16
+    assert any(n.startswith("2 batch shapes in the run (an epoch of 16 steps") for n in report["notes"])
+
+
+def test_doctor_llama_padded_to_its_longest_row_counts_the_run_shapes(llama, monkeypatch):
+    """Issue 22: batches of 4 padded to their longest row, rows cut at 48 tokens. The 8 steps
+    watched bring 5 shapes and none in their last 3, which looked bounded; the run's epoch brings
+    29, counted here from the data and the Trainer's documented order (seed 42, epoch 0)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    script = importlib.import_module("llama_longest")
+    lengths = [len(row["input_ids"]) for row in script.rows()]
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(42)).tolist()
+    widths = sorted({max(lengths[i] for i in order[k:k + 4]) for k in range(0, len(order), 4)})
+    assert len(widths) == 29
+
+    report = llama("longest", steps=8, script="llama_longest.py")
+    assert report["compiles_per_step"][5:] == [0, 0, 0] and not report["shapes"]["growing"]
+    assert kinds(report) == ["recompilation"]
+    run = report["run_shapes"]
+    assert run["count"] == len(widths) and run["sequence_lengths"] == widths and not run["lower_bound"]
+    assert run["padding"] == "longest row" and not run["bounded"] and run["walked"] == "an epoch of 64 steps"
+    assert run["listing"] == "[4, L], L = 14-27, 29-34, 36-41, 43, 46, 48"
+    message = report["findings"][0]["message"]
+    assert message.startswith("the run's batches come in 29 shapes (an epoch of 64 steps")
+    assert "the steps watched here met 5 of them" in message
+    assert "pad_to_multiple_of=16 (here at most 3 shapes)" in message and 'padding="max_length"' in message
+
+
+@pytest.mark.slow  # one more doctor run, ~30 s
+def test_doctor_llama_padded_to_a_multiple_is_bounded(llama):
+    """The fix of the finding above, on the same data: pad_to_multiple_of=16, the default collator."""
+    report = llama("multiple", steps=8, script="llama_longest.py")
+    assert report["findings"] == []
+    run = report["run_shapes"]
+    assert (run["count"], run["bounded"], run["collator"], run["listing"]) == (3, True, "buckets",
+                                                                             "[4, L], L = 16, 32, 48")
 
 
 def test_doctor_llama_all_ones_attention_mask(llama):
@@ -141,6 +212,130 @@ def test_doctor_llama_step_graph_does_not_depend_on_the_hash_seed(llama):
     reports = [llama("fixed", "--mask", env={"PYTHONHASHSEED": seed}) for seed in ("3", "10")]
     assert reports[0]["compiles_per_step"] == reports[1]["compiles_per_step"]
     assert not any(reports[0]["compiles_per_step"][2:])
+
+
+# -- the census of a run's batch shapes (shapes.py), and the walk over the Trainer's batches -----------
+
+def ragged_rows(n=96, shortest=4, longest=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in torch.randint(shortest, longest + 1, (n,), generator=g).tolist():
+        ids = torch.randint(4, 64, (length,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def batched(rows, collate, size=4):
+    return [collate(rows[k:k + size]) for k in range(0, len(rows) - size + 1, size)]
+
+
+def test_census_of_padding_to_the_longest_row():
+    batches = batched(ragged_rows(), default_collate)  # labels padded with -100: the rows' lengths show
+    census = take_census(batches, planned=len(batches))
+    widths = {b["input_ids"].shape[1] for b in batches}
+    assert len(census.shapes) == len(widths) and census.widths == widths
+    assert census.batches == 24 and not census.lower_bound and census.padding == "longest row"
+    assert len(census.row_lengths) > MAX_SHAPES and not census.bounded
+    assert any("padded to its own longest row" in r for r in census.reasons())
+    assert census.listing().startswith("[4, L], L = ")
+
+
+def test_census_sees_the_longest_row_through_the_attention_mask_and_a_prompt():
+    """The row lengths from an attention_mask, else from the labels' last real one (-100 on a
+    prompt before it does not shorten the row)."""
+    rows = [{"input_ids": torch.arange(n), "attention_mask": torch.ones(n, dtype=torch.long),
+             "labels": torch.cat([torch.full((n // 2,), -100), torch.arange(n - n // 2)])}
+            for n in (5, 9, 7, 12)]
+    for keys in (("input_ids", "attention_mask"), ("input_ids", "labels")):
+        batches = batched([{k: r[k] for k in keys} for r in rows], default_collate, size=2)
+        census = take_census(batches, planned=2)
+        assert census.row_lengths == {5, 9, 7, 12} and census.to_longest and census.padding == "longest row"
+
+
+def test_census_of_buckets_and_a_fixed_length_is_bounded():
+    rows = ragged_rows()
+    buckets = take_census(batched(rows, PadToBuckets(buckets=4, max_length=40)), planned=24)
+    assert 2 <= len(buckets.shapes) and buckets.widths <= {10, 20, 30, 40}
+    assert buckets.padding == "other" and buckets.bounded and buckets.reasons() == []
+    assert buckets.listing() == "[4, L], L = " + ", ".join(map(str, sorted(buckets.widths)))
+    fixed = take_census(batched(rows, PadToBuckets(buckets=1, max_length=40)), planned=24)
+    assert fixed.shapes == ["[4, 40]"] and fixed.padding == "fixed" and fixed.bounded
+    # multiples of 4 for rows of up to 120 tokens: not the longest row, but too many lengths
+    many = take_census(batched(ragged_rows(n=200, longest=120), PadToBuckets(pad_to_multiple_of=4)),
+                       planned=50)
+    assert many.padding == "other" and len(many.shapes) == 15 and not many.bounded
+    assert many.reasons() == [f"more than {MAX_SHAPES} shapes"]
+    assert many.multiple_for() == (32, 3)  # widths 64 to 120: 64, 96, 128
+
+
+def test_census_cut_short_is_a_lower_bound():
+    batches = batched(ragged_rows(n=400, longest=200), default_collate)
+    census = take_census(iter(batches), planned=100, max_batches=10)
+    assert census.batches == 10 and census.lower_bound and census.growing
+    assert "10 micro-batches" in census.stopped and any("second half" in r for r in census.reasons())
+    assert take_census(iter(batches), planned=100, seconds=0).batches <= 1  # the time budget
+
+    def failing():
+        yield from batches[:3]
+        raise ValueError("row 13 is too long")
+    census = take_census(failing(), planned=100)
+    assert census.batches == 3 and census.stopped == "an error of the batches: ValueError: row 13 is too long"
+
+
+class Walk(Callback):
+    """Walks the run's batches as the doctor does, at on_train_begin."""
+
+    def __init__(self, stop=False):
+        self.run, self.stop = None, stop
+
+    def on_train_begin(self, trainer):
+        self.run = walk_run_batches(trainer)
+        trainer.should_stop = self.stop
+
+
+class Recording:
+    """A collator that notes each batch's samples (by their first token) and a random draw."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, samples):
+        self.calls.append(([int(s["input_ids"][0]) for s in samples], float(torch.rand(()))))
+        return default_collate(samples)
+
+
+def walk(tmp_path, stop=False, **settings):
+    rows = [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i)} for i in range(40)]
+    collate, watch = Recording(), Walk(stop)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, save_steps=0,
+                             disable_tqdm=True, accelerator="cpu", **settings)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64))
+    Trainer(model, args, train_dataset=rows, data_collator=collate, callbacks=[watch]).train()
+    return watch.run, collate.calls
+
+
+def test_walk_takes_the_run_s_own_batches(tmp_path):
+    """The same samples in the same order as the steps then train on, for max_steps (with
+    gradient accumulation: micro-batches), and the random state left as it was."""
+    run, calls = walk(tmp_path, max_steps=3, gradient_accumulation_steps=2)
+    assert run.walked == "the run's 3 steps (max_steps)" and run.collator == "yours"
+    assert run.census.batches == run.census.planned == 6 and len(calls) == 12
+    assert calls[:6] == calls[6:]  # the walk's, then the training's: same samples, same draws
+
+
+def test_walk_covers_one_epoch_of_a_longer_run(tmp_path):
+    run, calls = walk(tmp_path, stop=True, num_train_epochs=3)
+    assert run.walked == "an epoch of 20 steps" and run.census.batches == 20
+    assert sorted(i for samples, _ in calls[:20] for i in samples) == list(range(40))
+
+
+def test_walk_leaves_a_one_pass_iterator_alone():
+    """A generator as train_dataset would be used up by a walk ahead of the run."""
+    class Trainer:
+        train_dataset = (row for row in [])
+    run = walk_run_batches(Trainer())
+    assert run.census is None and run.as_dict() == {"skipped": run.skipped}
+    assert run.skipped.startswith("the train_dataset is a one-pass iterator")
 
 
 # -- the CPU lazy backend's own gaps ------------------------------------------------------------------

@@ -5,9 +5,14 @@ The user's script runs unmodified; every hputrain Trainer it makes gets a `Docto
 backend (output to a temporary folder, no checkpoints) and watches each of the first N optimizer
 steps for what makes lazy mode slow on a Gaudi:
 
-- recompilation: new graphs after warm-up, because the batch shapes keep growing (a bounded set,
-  such as length buckets, is "N shapes, each compiled once": fine), or because something other
-  than the shapes changes the graph;
+- recompilation: new graphs after warm-up because something other than the shapes changes the
+  graph; or batch shapes that are not a bounded set. A few steps cannot tell that (a short window
+  with no new shape in its last steps is luck, not proof), so before the first step the doctor
+  walks the run's own batches, collated as the Trainer collates them and in its order, without
+  the model (shapes.py): one epoch, or the run's steps when it stops sooner (max_steps). A
+  bounded set, such as length buckets or one fixed length, is "N shapes, each compiled once":
+  fine; more than a few shapes, or padding to each batch's longest row of ragged data, is the
+  finding, with the fix (length_buckets, pad_to_multiple_of, fixed-length padding);
 - host_sync: values read back to the host inside a step (`.item()`, `bool(t)`, `.cpu()`, print),
   each of which cuts the graph short and stalls the device; named by the user's own line, and by
   the library's when the read is inside one, with the fix where one is known;
@@ -19,23 +24,28 @@ The trainer's own reads (logging, evaluation) happen between steps and are not c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import random
 import runpy
 import sys
 import sysconfig
 import tempfile
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads, lazy_counters
 from .callbacks import Callback, added_to_every_trainer
 from .config import TrainingArguments
+from .data import LoaderOptions, PadToBuckets, default_collate
 from .errors import InputError
+from .shapes import MAX_SHAPES, ShapeCensus, batch_shapes, shape_text, take_census
 
 _PACKAGE = str(Path(__file__).parent)
 
@@ -89,11 +99,13 @@ def _sync_site(read: str) -> SyncSite:
 
 class DoctorWatch(Callback):
     """Moves the trainer's run to lazy mode on the CPU, in `output_dir`, without checkpoints;
-    then per step: new graph compilations, host reads, fallback ops, and the batch's shapes."""
+    before the first step, the shapes of the whole run's batches (RunShapes); then per step: new
+    graph compilations, host reads, fallback ops, and the batch's shapes."""
 
     def __init__(self, steps: int, output_dir: str, reads: HostReads) -> None:
         self.steps, self.output_dir, self.reads = steps, output_dir, reads
         self.records: list[dict] = []
+        self.run_shapes: RunShapes | None = None
         self._before: dict[str, int] = {}
         self._reads_before = 0
 
@@ -103,6 +115,10 @@ class DoctorWatch(Callback):
                                    save_steps=0, eval_steps=0, disable_tqdm=True,
                                    resume_from_checkpoint=None, load_best_model_at_end=False,
                                    eval_strategy=None, save_strategy=None, logging_strategy=None)
+
+    def on_train_begin(self, trainer) -> None:
+        if self.run_shapes is None:  # a second train() of the same trainer walks nothing new
+            self.run_shapes = walk_run_batches(trainer)
 
     def on_step_begin(self, trainer) -> None:
         self._before = lazy_counters()
@@ -121,19 +137,66 @@ class DoctorWatch(Callback):
             # aten:: counters are ops run eagerly; _local_scalar_dense is a read, counted above
             "fallbacks": {k[6:]: v for k, v in new.items()
                           if k.startswith("aten::") and k != "aten::_local_scalar_dense"},
-            "shapes": _shapes(batch),
+            "shapes": batch_shapes(batch),
             "attention_mask": _mask_layout(batch),
         })
         if len(self.records) >= self.steps:
             raise DoctorFinished
 
 
-def _shapes(batch) -> dict:
-    if isinstance(batch, Mapping):
-        return {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    if isinstance(batch, (list, tuple)):
-        return {str(i): list(v.shape) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
-    return {"batch": list(batch.shape)} if isinstance(batch, torch.Tensor) else {}
+@dataclasses.dataclass
+class RunShapes:
+    """The census of a run's batches (shapes.py), with what the doctor needs to word it."""
+
+    census: ShapeCensus | None
+    """None when the batches could not be walked ahead (see `skipped`)."""
+    walked: str = ""
+    """What was walked: "an epoch of 64 steps", "the run's 20 steps (max_steps)"."""
+    collator: str = "yours"
+    """The Trainer's collator: "default" (default_collate), "buckets" (PadToBuckets, from
+    length_buckets / pad_to_multiple_of or given), or "yours"."""
+    skipped: str | None = None
+
+    def as_dict(self) -> dict:
+        if self.census is None:
+            return {"skipped": self.skipped}
+        return {**self.census.as_dict(), "walked": self.walked, "collator": self.collator}
+
+
+def walk_run_batches(trainer) -> RunShapes:
+    """The census of the micro-batches this trainer's run will take, from the Trainer's own batch
+    source: the same samples, collator and order, this rank's share, from the step it starts at,
+    for one epoch or the run's steps if fewer (max_steps). Collated here, without worker
+    processes (loading.py: the same batches), with the random generators put back afterwards,
+    so that a collator that draws random numbers leaves the run's draws as they were."""
+    dataset = trainer.train_dataset
+    if isinstance(dataset, Iterator):
+        return RunShapes(None, skipped="the train_dataset is a one-pass iterator, which walking "
+                         "its batches ahead would use up")
+    batches = trainer._train_batches()  # the run's own batch source, as train() builds it
+    batches.loading = LoaderOptions()
+    steps, per_epoch = trainer.total_steps - trainer.global_step, batches.steps_per_epoch
+    if per_epoch is not None and per_epoch < steps:
+        steps, walked = per_epoch, f"an epoch of {per_epoch} steps"
+    else:
+        walked = f"the run's {steps} steps" + (" (max_steps)" if trainer.args.max_steps > 0 else "")
+    collate = trainer.collate
+    collator = ("default" if collate is default_collate else
+                "buckets" if isinstance(collate, PadToBuckets) else "yours")
+    with _random_state_kept():
+        census = take_census(batches.iterate(trainer.global_step), steps * batches.accumulate)
+    return RunShapes(census, walked, collator)
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
 
 
 def _mask_layout(batch) -> str | None:
@@ -150,27 +213,31 @@ def _mask_layout(batch) -> str | None:
 
 # -- the report ----------------------------------------------------------------------------------------
 
-def diagnose(records: list[dict], warmup: int, reads: HostReads) -> dict:
-    """The report: per-step figures, findings (each naming the problem and the fix) and notes
-    (what was seen and is fine, and what was left out)."""
+def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes | None = None) -> dict:
+    """The report: per-step figures, the shapes of the whole run (`run`, when its batches were
+    walked), findings (each naming the problem and the fix) and notes (what was seen and is fine,
+    and what was left out)."""
     shapes = _shape_history(records, warmup)
+    census = run.census if run is not None else None
     fallback_ops, backend_gaps = _fallback_ops(records)
-    findings = [*_recompilation(records, warmup, shapes), *_host_syncs(records, reads),
+    findings = [*_recompilation(records, warmup, shapes, judge_growth=census is None),
+                *_unbounded_shapes(run, shapes), *_host_syncs(records, reads),
                 *_fallbacks(fallback_ops)]
-    notes = [*_bounded_shapes(records, shapes, findings), *_left_out(backend_gaps)]
+    notes = [*_run_shapes_notes(run), *_bounded_shapes(shapes, run, findings), *_left_out(backend_gaps)]
     return {"steps": len(records), "compiles_per_step": [r["compiles"] for r in records],
             "host_syncs_per_step": [r["host_syncs"] for r in records], "shapes": shapes,
+            "run_shapes": None if run is None else run.as_dict(),
             "fallback_ops": fallback_ops, "backend_gaps_left_out": backend_gaps,
             "findings": findings, "notes": notes}
 
 
 def _shape_history(records: list[dict], warmup: int) -> dict:
-    """The distinct batch shapes, the steps that brought a new one, and whether new ones still
-    came in the second half of the steps after warm-up (the set is still growing)."""
+    """The distinct batch shapes of the steps watched, the steps that brought a new one, and
+    whether new ones still came in the second half of the steps after warm-up."""
     seen: list[str] = []
     new_at = []
     for record in records:
-        key = _shape_text(record["shapes"])
+        key = shape_text(record["shapes"])
         if key not in seen:
             seen.append(key)
             new_at.append(record["step"])
@@ -179,19 +246,13 @@ def _shape_history(records: list[dict], warmup: int) -> dict:
     return {"distinct": seen, "new_at_steps": new_at, "growing": any(s in tail for s in new_at[1:])}
 
 
-def _shape_text(shapes: dict) -> str:
-    """A batch's shapes: "[4, 32]" when all its tensors have that shape, else per tensor."""
-    distinct = {json.dumps(shape) for shape in shapes.values()}
-    if len(distinct) == 1:
-        return distinct.pop()
-    return "{" + ", ".join(f"{name}: {shape}" for name, shape in sorted(shapes.items())) + "}"
-
-
-def _recompilation(records: list[dict], warmup: int, shapes: dict) -> list[dict]:
+def _recompilation(records: list[dict], warmup: int, shapes: dict, judge_growth: bool) -> list[dict]:
+    """Compiles after warm-up for shapes already compiled; and, when the run's batches could not
+    be walked (`judge_growth`), shapes that kept coming in the steps watched."""
     late = [r for r in records[warmup:] if r["compiles"]]
     if not late:
         return []
-    known = [r["step"] for r in late if r["step"] not in shapes["new_at_steps"]]
+    known = [r["step"] for r in late if r["step"] not in _steady_new_at(records)]
     count = sum(r["compiles"] for r in late)
     findings = []
     if known:
@@ -200,7 +261,7 @@ def _recompilation(records: list[dict], warmup: int, shapes: dict) -> list[dict]
             "than the shapes changes the graph from step to step, such as a Python number that "
             "changes every step (a step count, a random draw on the host) used in the forward, which "
             "the graph holds as a constant. Make it a tensor.")})
-    if shapes["growing"]:
+    if judge_growth and shapes["growing"]:
         findings.append({"kind": "recompilation", "message": (
             f"the batch shapes keep growing: {len(shapes['distinct'])} shapes in {len(records)} steps, "
             f"a new one at steps {shapes['new_at_steps']}, still after the warm-up, and each new shape "
@@ -212,13 +273,92 @@ def _recompilation(records: list[dict], warmup: int, shapes: dict) -> list[dict]
     return findings
 
 
-def _bounded_shapes(records: list[dict], shapes: dict, findings: list[dict]) -> list[str]:
-    if len(shapes["distinct"]) < 2 or any(f["kind"] == "recompilation" for f in findings):
+def _steady_new_at(records: list[dict]) -> set[int]:
+    """The steps that compiled a shape's graphs for good: its first step, and its first after
+    step 1. The first step's graphs also create the optimizer's state (AdamW's moments), so the
+    shape of step 1 compiles again the next time it comes, and from then on runs from the cache."""
+    seen: set[str] = set()
+    steps = set()
+    for record in records:
+        key = shape_text(record["shapes"])
+        if record["step"] == 1 or key not in seen:
+            steps.add(record["step"])
+        if record["step"] > 1:
+            seen.add(key)
+    return steps
+
+
+def _unbounded_shapes(run: RunShapes | None, shapes: dict) -> list[dict]:
+    """The run's batches are not a bounded set of shapes (shapes.py's rule)."""
+    census = None if run is None else run.census
+    if census is None or census.bounded:
         return []
-    return [f"{len(shapes['distinct'])} batch shapes, each compiled once (new at steps "
-            f"{shapes['new_at_steps']}, none in the last steps): a bounded set, such as length "
-            "buckets, is fine: after its first step each shape runs from the graph cache. Shapes: "
-            f"{', '.join(shapes['distinct'])}"]
+    count = f"{'at least ' if census.lower_bound else ''}{len(census.shapes)}"
+    return [{"kind": "recompilation", "message": (
+        f"the run's batches come in {count} shapes ({run.walked}, {census.batches} micro-batches, "
+        f"walked without the model; the steps watched here met {len(shapes['distinct'])} of them), "
+        f"and Gaudi compiles the step's graphs again for each new shape: {count} times over in the "
+        f"run. Not a bounded set: "
+        f"{'; '.join(census.reasons())}. {_shape_fix(run)} Shapes: {census.listing()}. (Bounded "
+        f"means at most {MAX_SHAPES} shapes, and, for padding to each batch's longest row, rows of "
+        f"at most {MAX_SHAPES} lengths.)")}]
+
+
+def _shape_fix(run: RunShapes) -> str:
+    """How to pad to a few lengths, for the collator the run has."""
+    census = run.census
+    suggested = census.multiple_for()
+    multiple = (f"pad_to_multiple_of={suggested[0]} (here at most {suggested[1]} shapes)"
+                if suggested else "pad_to_multiple_of=64")
+    fixed = (f"one fixed length, {max(census.widths)} tokens here (one shape)" if census.widths
+             else "one fixed length")
+    settings = f"length_buckets=4 (lengths spaced up to the model's maximum) or {multiple}"
+    if run.collator == "default":
+        return (f"Pad to a few lengths: with {settings} in TrainingArguments, and no "
+                "data_collator given, the default collator pads input_ids, labels and "
+                f"attention_mask to them; or pad every batch to {fixed}.")
+    if run.collator == "buckets":
+        return f"Pad to fewer lengths: fewer length_buckets, or a larger {multiple}."
+    how = ("pads each batch to its longest row" if census.padding == "longest row"
+           else "pads to more lengths than that")
+    return (f"Your data_collator {how}: pad to a few lengths there (transformers' padding "
+            f"collators take pad_to_multiple_of), or to {fixed} with padding=\"max_length\"; or "
+            f"leave data_collator out and set {settings} in TrainingArguments: the default "
+            "collator then pads to those lengths.")
+
+
+def _run_shapes_notes(run: RunShapes | None) -> list[str]:
+    """What limits the count: a walk that could not be made, or that stopped early."""
+    if run is None:
+        return []
+    if run.census is None:
+        return [f"the run's batches were not walked ahead ({run.skipped}): their shapes are "
+                "judged from the steps watched only"]
+    census = run.census
+    if not census.lower_bound:
+        return []
+    return [f"the run's shape count ({len(census.shapes)}) is a lower bound: the walk over its "
+            f"batches stopped after {census.batches} of {census.planned} micro-batches, at "
+            f"{census.stopped}"]
+
+
+def _bounded_shapes(shapes: dict, run: RunShapes | None, findings: list[dict]) -> list[str]:
+    if any(f["kind"] == "recompilation" for f in findings):
+        return []
+    census = None if run is None else run.census
+    if census is None:
+        if len(shapes["distinct"]) < 2:
+            return []
+        return [f"{len(shapes['distinct'])} batch shapes, each compiled once (new at steps "
+                f"{shapes['new_at_steps']}, none in the last steps): a bounded set, such as length "
+                "buckets, is fine: after its first step each shape runs from the graph cache. "
+                f"Shapes: {', '.join(shapes['distinct'])}"]
+    if len(census.shapes) < 2:
+        return []
+    return [f"{len(census.shapes)} batch shapes in the run ({run.walked}, {census.batches} "
+            f"micro-batches, walked without the model), each compiled once: a bounded set, such as "
+            "length buckets, is fine: after its first step each shape runs from the graph cache. "
+            f"Shapes: {census.listing()}"]
 
 
 def _host_syncs(records: list[dict], reads: HostReads) -> list[dict]:
@@ -316,7 +456,20 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
     if not records:
         raise InputError(f"{script} trained no step with hputrain's Trainer, so there is nothing "
                          "to check")
-    return diagnose(records, warmup, reads)
+    return diagnose(records, warmup, reads, _widest(w.run_shapes for w in watches if w.records))
+
+
+def _widest(runs) -> RunShapes | None:
+    """Of the watched trainers' runs (one, as a rule), the one whose batches have most shapes."""
+    runs = [r for r in runs if r is not None]
+    walked = [r for r in runs if r.census is not None]
+    if walked:
+        return max(walked, key=lambda r: len(r.census.shapes))
+    return runs[0] if runs else None
+
+
+_PADDING = {"fixed": "one fixed length", "longest row": "each batch to its longest row",
+            "other": "to set lengths (buckets, multiples)", "unknown": "not shown by the batches"}
 
 
 def cmd_doctor(args) -> int:
@@ -330,6 +483,11 @@ def cmd_doctor(args) -> int:
     print(f"  graph compilations per step: {report['compiles_per_step']}")
     print(f"  host syncs per step:         {report['host_syncs_per_step']}")
     print(f"  eager fallbacks:             {report['fallback_ops'] or 'none'}")
+    if (walk := report["run_shapes"]) and "count" in walk:
+        bound = "at least " if walk["lower_bound"] else ""
+        print(f"  batch shapes in the run:     {bound}{walk['count']}: {walk['listing']}")
+        print(f"    ({walk['walked']}, {walk['micro_batches']} micro-batches walked in "
+              f"{walk['seconds']:.2f} s; padded: {_PADDING[walk['padding']]})")
     for note in report["notes"]:
         print(f"  note: {note}")
     for finding in report["findings"]:

@@ -19,10 +19,10 @@ from hputrain import Trainer, TrainingArguments
 VOCAB, BLOCK = 64, 32
 
 
-def model():
+def model(positions=BLOCK):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          pad_token_id=0)
     return LlamaForCausalLM(config)
 
