@@ -25,8 +25,8 @@ from . import checkpoint, evaluation, execution, export, kernels
 from .callbacks import Callback, for_every_trainer, reporting_callbacks, show_message
 from .accelerators import detect_accelerator
 from .config import AcceleratorConfig, TrainingArguments, as_training_arguments, check_trainer_kwargs
-from .data import (LABEL_NAMES, LoaderOptions, MicroBatches, default_collator_for, host_can_pin,
-                   model_input_names, to_device)
+from .data import (LABEL_NAMES, DropUnusedColumns, LoaderOptions, MicroBatches, default_collator_for,
+                   host_can_pin, model_input_names, to_device)
 from .distributed import ProcessGroup, select_strategy
 from .distributed.checkpointing import apply_activation_checkpointing
 from .distributed.context_parallel import ContextParallel, NoContextParallel
@@ -46,7 +46,7 @@ class TrainOutput:
     global_step: int
     training_loss: float | None
     metrics: dict = field(default_factory=dict)
-    interrupted_by: int | None = None  # the signal that stopped training early, if any
+    interrupted_by: int | None = None  # the signal the ranks agreed to stop early for, if any
 
 
 class Trainer:
@@ -110,7 +110,10 @@ class Trainer:
         self.global_step = self.total_steps = 0
         self.should_stop = False  # set by a callback to end training after the current step
         self.step_inputs = None  # the current step's last micro-batch, for callbacks
-        self._stop_signal: int | None = None
+        # Stopping (see _agree): what this process was asked, and what every rank agreed to do.
+        self._signal_received: int | None = None  # SIGINT / SIGTERM caught here, maybe not yet agreed
+        self._stop_signal: int | None = None  # the signal the ranks agreed to stop for
+        self._stopping = False  # the ranks agreed to stop after the current step
         self.best = BestCheckpoint(self.args, {})
 
     # -- the training loop ---------------------------------------------------------------------
@@ -118,11 +121,15 @@ class Trainer:
         # One run per output_dir: rank 0 holds its lock for the run (the kernel drops it on any
         # exit) and clears what a killed save left; the others resolve "latest" after that.
         lock = checkpoint.lock_output_dir(self.args.output_dir) if self.group.is_main else None
+        self.should_stop, self._stopping, self._stop_signal = False, False, None
+        previous_handlers = {}
         try:
             self.group.barrier()
+            previous_handlers = self._catch_stop_signals()  # after the barrier: see there
             with self._model_on_device():
                 return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
         finally:
+            self._restore_signal_handlers(previous_handlers)
             if lock is not None:
                 lock.release()
 
@@ -138,7 +145,6 @@ class Trainer:
         state = self._resume(resume_from_checkpoint)
         self.global_step = state.get("step", 0)
         self.best = BestCheckpoint(args, state)
-        self.should_stop, self._stop_signal = False, None
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
         watch = execution.step_watch(args, accelerator)  # graph compiles in lazy mode
         micro_batches = batches.iterate(self.global_step)
@@ -147,7 +153,6 @@ class Trainer:
         steps_since_log, grad_norm, last_loss = 0, None, None
         params = list(self.model.parameters())  # once: walking the modules every step costs ~0.25 ms
         self.model.train()
-        previous_handlers = self._catch_stop_signals()
         finished = False
         try:
             self._call("on_train_begin")
@@ -156,7 +161,9 @@ class Trainer:
             while self.global_step < total_steps:
                 step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
                 counts = [self.count_tokens(batch) for batch in step_batches]
-                if self._agree_to_stop(counts):  # a signal or a callback, on any rank
+                # Every rank leaves the loop here, at the same step: a signal or a callback's
+                # should_stop on any rank, noted since the previous agreement, stops them all.
+                if self._agree_to_stop(counts):
                     break
                 watch.step_begin(self.global_step + 1)
                 self._call("on_step_begin")
@@ -200,21 +207,22 @@ class Trainer:
                     clock.resume()
                 if intervals.saves(self.global_step):
                     clock.pause()
-                    self._check_finite(logged_loss, steps_since_log)  # never save diverged weights
+                    self._agree_before_save(logged_loss, steps_since_log)  # finite? the last save?
                     self._save(batches)
                     clock.resume()
             summary = self._finish(intervals, clock, batches, watch, logged_loss, steps_since_log)
             finished = True
         finally:
             self.step_inputs = None
-            self._restore_signal_handlers(previous_handlers)
             self._end_callbacks(finished)
         return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
 
     def _finish(self, intervals: Intervals, clock: ThroughputClock, batches: MicroBatches,
                 watch: execution.StepWatch, logged_loss: torch.Tensor, steps_since_log: int) -> dict:
         """After the last step (or a stop): evaluate and save unless the step just did, load the
-        best checkpoint's weights (load_best_model_at_end), then write the summary record."""
+        best checkpoint's weights (load_best_model_at_end), then write the summary record. Each
+        branch follows what every rank agreed (_stop_signal), never this rank's own flags: the
+        evaluation and the save are collectives."""
         step = self.global_step
         if self._stop_signal is not None:
             saves = intervals.saves_at_all
@@ -223,7 +231,7 @@ class Trainer:
         elif self.eval_dataset is not None and not intervals.evaluates(step):
             self._evaluate_during_training()
         if intervals.saves_at_all and not intervals.saves(step):
-            self._check_finite(logged_loss, steps_since_log)
+            self._agree_before_save(logged_loss, steps_since_log)
             self._save(batches)
         if self.best.folder is not None and self._stop_signal is None:
             self._load_best()
@@ -291,17 +299,27 @@ class Trainer:
 
     def _agree_to_stop(self, counts: list[int]) -> bool:
         """Before each step, one small host all-reduce (no device sync) that every rank reaches:
-        the global batch's counted tokens, and whether any rank was asked to stop, by a signal
-        or by a callback (should_stop). A stop request then ends the same step on every rank,
-        which save one checkpoint together."""
-        signum = self._stop_signal
-        tokens, interrupts, terminates, callback_stops = self.group.host_sum(
-            [sum(counts), signum == signal.SIGINT, signum not in (None, signal.SIGINT), self.should_stop])
+        the global batch's counted tokens, and whether the ranks stop before this step (_agree).
+        A stop then ends the same step on every rank, which save one checkpoint together."""
+        (tokens,) = self._agree([sum(counts)])
         self._step_tokens = int(tokens)
-        if signum is None and (interrupts or terminates):  # a peer was signalled
+        return self._stopping
+
+    def _agree(self, values: list[float]) -> list[float]:
+        """`values` summed over the ranks, in one host all-reduce that also carries each rank's
+        stop requests: a signal it caught, a callback's should_stop. Whatever a rank does about
+        stopping follows from the result alone, the same on every rank (_stopping, _stop_signal,
+        should_stop), never from its own flags: a signal that lands after this rank read its
+        flag (during the all-reduce, or anywhere later in the step) is counted by the next
+        agreement, on every rank alike."""
+        received = self._signal_received  # read once: what the all-reduce carries is what counts
+        *sums, interrupts, terminates, callback_stops = self.group.host_sum(
+            [*values, received == signal.SIGINT, received not in (None, signal.SIGINT), self.should_stop])
+        if interrupts or terminates:  # SIGTERM wins where ranks caught different signals
             self._stop_signal = signal.SIGTERM if terminates else signal.SIGINT
         self.should_stop = bool(callback_stops)  # a callback on one rank stops them all
-        return self._stop_signal is not None or self.should_stop
+        self._stopping = self._stop_signal is not None or self.should_stop
+        return sums
 
     def _on_host(self, batch):
         """This rank's slice of each sequence under context parallelism, still on the host, where
@@ -309,13 +327,13 @@ class Trainer:
         becomes a plain dict."""
         return self.context_parallel.shard(dict(batch) if isinstance(batch, Mapping) else batch)
 
-    def _collate(self, samples: list):
+    @property
+    def _collate(self) -> DropUnusedColumns:
         """The collator on samples without the columns the model does not take (a text column
-        above all): the Hugging Face Trainer's remove_unused_columns."""
-        if self.inputs is not None and self.args.remove_unused_columns and isinstance(samples[0], Mapping):
-            keep = self.inputs | LABEL_NAMES
-            samples = [{k: v for k, v in sample.items() if k in keep} for sample in samples]
-        return self.collate(samples)
+        above all): the Hugging Face Trainer's remove_unused_columns. A data.py object, not a
+        method of the Trainer, so that data workers started by spawn pickle the collator alone."""
+        dropping = self.inputs is not None and self.args.remove_unused_columns
+        return DropUnusedColumns(self.collate, self.inputs | LABEL_NAMES if dropping else None)
 
     def _on_device_scalar(self, value: float, dtype=torch.float32) -> torch.Tensor:
         """A number the step uses, made on the host and copied over: in lazy mode it is graph
@@ -384,10 +402,13 @@ class Trainer:
         self._call("on_log", record)
         return record["loss"]
 
-    def _check_finite(self, logged_loss: torch.Tensor, steps: int) -> None:
-        """Before a save: the loss summed since the last log, agreed by every rank, is finite."""
+    def _agree_before_save(self, logged_loss: torch.Tensor, steps: int) -> None:
+        """Before a save, one more agreement (_agree): the loss summed since the last log must be
+        finite on every rank (never save diverged weights), and whether the run stops at this
+        step, which makes this save its last (_save)."""
+        (loss,) = self._agree([logged_loss.item() if steps else 0.0])
         if steps:
-            self._stop_if_diverged(self.group.host_sum([logged_loss.item()])[0], steps)
+            self._stop_if_diverged(loss, steps)
 
     def _stop_if_diverged(self, loss: float, steps: int) -> None:
         """A loss that is no longer finite ends training at once, saving nothing new (the last
@@ -491,9 +512,9 @@ class Trainer:
     def _save(self, batches: MicroBatches) -> Path:
         # the strategy decides how the state is written; the last save of a run that stops (at
         # its end, by a signal or a callback) also writes the whole model (model.safetensors) of
-        # a sharded run, for generate and other tools
-        last = (self._stop_signal is not None or self.should_stop
-                or self.global_step >= self.total_steps)
+        # a sharded run, for generate and other tools: a collective, so decided by what every
+        # rank agreed just before (_agree_before_save), never by this rank's own flags
+        last = self._stopping or self.global_step >= self.total_steps
         folder = checkpoint.checkpoint_dir(self.args.output_dir, self.global_step)
         self.best.saving(self.global_step, folder)  # recorded in this checkpoint's state
         tracking = self.best.enabled  # then rotation, below, keeps the best checkpoint too
@@ -550,13 +571,21 @@ class Trainer:
         return lines
 
     def _catch_stop_signals(self) -> dict:
-        """SIGINT and SIGTERM end the current step, save a checkpoint and return from train()."""
-        def stop(signum, frame):
-            self._stop_signal = signum
+        """SIGINT and SIGTERM, until train() returns, are only noted here (_signal_received); the
+        ranks act on them together at the next agreement (_agree): they end the step under way,
+        save one checkpoint and return from train(). One that lands after the run's last
+        agreement (before its final save) changes nothing: the run is ending anyway. Caught from
+        train()'s barrier on, which the ranks leave at about the same moment, so that a signal
+        the launcher passes to every rank during start-up finds them alike: all without the
+        handler (each ends the default way, having saved nothing) or all with it."""
+        self._signal_received = None
+
+        def note(signum, frame):
+            self._signal_received = signum
         previous = {}
         if _in_main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
-                previous[signum] = signal.signal(signum, stop)
+                previous[signum] = signal.signal(signum, note)
         return previous
 
     @staticmethod
