@@ -13,6 +13,11 @@ import torch.distributed as dist
 from hputrain.distributed import ProcessGroup
 
 
+def timeout_of(process_group) -> float:
+    """The timeout of `process_group`'s backend on the CPU (Gloo's), in seconds."""
+    return process_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
 def main(output_dir: str, cp: int, dp_shard: int = 1) -> None:
     group = ProcessGroup.from_env(dist.Backend.GLOO)
     group.set_context_parallel(cp)
@@ -33,6 +38,9 @@ def main(output_dir: str, cp: int, dp_shard: int = 1) -> None:
         "mean": group.all_reduce_mean(values.clone()).tolist(),
         "cp_mean": group.all_reduce_mean(values.clone(), group.cp_group).tolist(),
         "host_sum": group.host_sum([group.rank, 1]),
+        # every group the job made, and the seconds its collectives wait (group.init's 60)
+        "timeouts": {name: timeout_of(mesh[name].get_group()) for name in mesh.mesh_dim_names}
+                    | {"default": timeout_of(dist.group.WORLD), "host": timeout_of(group.host_group)},
     }
     with open(os.path.join(output_dir, f"rank-{group.rank}.json"), "w") as f:
         json.dump(facts, f)

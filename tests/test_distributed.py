@@ -245,6 +245,74 @@ def test_a_failed_rank_is_named_with_its_last_error_line(tmp_path):
     assert launcher_lines(err) == ["hputrain launch: rank 1 failed (exit code 3): rank 1: the data set is empty"]
 
 
+@pytest.mark.parametrize("worker, status, lines", [
+    # every rank's bad input: one line each, exit 2
+    (["exit", "2,2"], 2, [f"rank {r} failed (exit code 2): rank {r}: the data set is empty" for r in (0, 1)]),
+    # bad input on one rank (exit 2): the other is stopped by the launcher, which exits 2
+    pytest.param(["fail", "1", "2"], 2, ["rank 1 failed (exit code 2): rank 1: the data set is empty"],
+                 marks=pytest.mark.slow),
+    # bad input on one rank, a crash on the other: a crash
+    pytest.param(["exit", "2,1"], 1, [f"rank {r} failed (exit code {c}): rank {r}: the data set is empty"
+                                      for r, c in ((0, 2), (1, 1))], marks=pytest.mark.slow),
+])
+def test_bad_input_on_every_failed_rank_exits_2(tmp_path, worker, status, lines):
+    proc = start_launch("--nproc-per-node", "2", SIGNAL_SCRIPT, str(tmp_path), *worker)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err[-3000:]
+    assert sorted(launcher_lines(err)) == [f"hputrain launch: {line}" for line in lines], err[-3000:]
+
+
+def test_the_launchers_status_after_failures():
+    from types import SimpleNamespace
+
+    from hputrain.distributed.launch import _report
+
+    def failures(*codes):
+        return {rank: SimpleNamespace(exitcode=code, timestamp=100 + rank, message="")
+                for rank, code in enumerate(codes)}
+
+    assert _report({}) == 0
+    assert _report(failures(2)) == 2 and _report(failures(2, 2)) == 2
+    assert _report(failures(2, -15)) == 2  # rank 1 only stopped by the launcher
+    assert _report(failures(-15, 2)) == 2  # whichever came first
+    assert _report(failures(2, 1)) == 1 and _report(failures(1, 2)) == 1 and _report(failures(2, -6)) == 1
+    assert _report(failures(-15)) == 143 and _report(failures(3)) == 1
+
+
+ENDING = '''
+import atexit, sys, threading, time
+out = sys.argv[1]
+atexit.register(lambda: open(out + "/atexit", "w").write("ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), open(out + "/thread", "w").write("joined"))).start()
+left_open = open(out + "/left-open", "w")  # never closed: flushed at exit
+left_open.write("flushed")
+print("no newline at the end", end="")
+how = sys.argv[2]
+if how == "raise":
+    raise ValueError("the data set is empty")
+if how != "return":
+    sys.exit(int(how) if how.isdigit() else how)
+'''
+
+
+@pytest.mark.parametrize("how, status", [("return", 0), ("raise", 1), pytest.param("5", 5, marks=pytest.mark.slow),
+                                         pytest.param("a message", 1, marks=pytest.mark.slow)])
+def test_a_worker_ends_as_the_interpreter_would(tmp_path, how, status):
+    """entry.py ends a worker with os._exit, skipping the interpreter's teardown (where Gloo's
+    threads could abort it), after all else an ordinary exit does."""
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    proc = subprocess.run([sys.executable, "-m", "hputrain.distributed.entry", str(script), str(tmp_path), how],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert proc.stdout == "no newline at the end"
+    assert [(tmp_path / name).read_text() for name in ("atexit", "thread", "left-open")] == ["ran", "joined", "flushed"]
+    if how == "raise":
+        assert proc.stderr.startswith("Traceback") and "ValueError: the data set is empty" in proc.stderr
+    if how == "a message":
+        assert proc.stderr.strip() == "a message"
+
+
 def test_stop_signal_tells_a_requested_stop_from_a_crash():
     from types import SimpleNamespace
 

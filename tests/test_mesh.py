@@ -165,6 +165,8 @@ def test_mesh_of_four_processes_with_cp2(tmp_path):
         pair = rank - rank % 2 + 1.5  # the mean of ranks r and r + 1, plus one
         assert facts["cp_mean"] == [pair, 10 * pair]
         assert facts["host_sum"] == [6, 4]
+        # ddp_timeout (60 s here) on every group, the mesh's sub-groups included, not torch's 30 min
+        assert facts["timeouts"] == {name: 60 for name in ("dp_replicate", "dp_shard", "cp", "default", "host")}
 
 
 @pytest.mark.slow
@@ -174,3 +176,4 @@ def test_mesh_of_eight_processes_replicate_by_shard_by_cp(tmp_path):
         assert facts["shape"] == [2, 2, 2] and facts["coordinate"] == facts["dims_coordinate"]
         assert facts["dp"] == [rank // 2, 4]
         assert facts["replicate_by_shard"] == [[rank % 2, 2 + rank % 2], [4 + rank % 2, 6 + rank % 2]]
+        assert set(facts["timeouts"].values()) == {60}

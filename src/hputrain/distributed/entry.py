@@ -2,14 +2,20 @@
 torchelastic's error recording, so that a rank that fails is reported by the launcher with its
 rank and its error, not only an exit code: the exception it raised, or, when it exits with a
 non-zero status instead (`hputrain train` prints one line and exits 2), the last line it wrote to
-stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL."""
+stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL.
+
+A worker that is done ends without the interpreter's final teardown (see `leave`): a backend's
+threads, still finishing the last collective, would otherwise abort it with SIGABRT at exit."""
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -91,5 +97,69 @@ class _LastLine:
         return getattr(self._stream, name)
 
 
+def leave(code=0):
+    """End this worker with exit status `code` (a SystemExit code) as the interpreter ends a
+    program: other threads joined, atexit functions run (the process group is destroyed there),
+    what the program left behind collected, output flushed; but then os._exit, without the
+    interpreter's final teardown.
+
+    The teardown is where a rank of `hputrain train --devices 4 --strategy fsdp` died now and then
+    (one run in 20 to 50) with SIGABRT, "terminate called without an active exception": a Gloo
+    worker thread drops its references to a collective's tensors just after the collective
+    completed (host_sum is a rank's last); when Python has already dropped its own, the tensor's
+    Python object goes too, which takes the GIL; once the interpreter is finalizing, taking the
+    GIL ends the thread with pthread_exit, whose unwinding through a C++ destructor calls
+    std::terminate. Destroying the process group does not stop those threads while a DeviceMesh
+    or FSDP state still holds its groups; os._exit does not wait for them (multiprocessing ends
+    its children so too)."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the interpreter prints it and exits 1
+        print(code, file=sys.stderr)
+        status = 1
+    threading._shutdown()  # the interpreter's first step at exit (multiprocessing's too): join threads
+    atexit._run_exitfuncs()
+    _flush_python_files()
+    _flush_c_streams()
+    os._exit(status & 0xFF)
+
+
+def _flush_python_files() -> None:
+    """Flush every open Python file (the teardown would close them), the program's globals and
+    what they held collected first: a file left open in a global keeps what was written to it."""
+    import io
+
+    gc.collect()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), io.IOBase):  # not isinstance: a deprecated torch name warns on __class__
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
+    for stream in (sys.stdout, sys.stderr):  # or what stands in for them
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+def _flush_c_streams() -> None:
+    """C's stdio buffers (what a library printed through printf), which os._exit does not flush."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as exit_:
+        leave(exit_.code)
+    except Exception:  # reported as the interpreter would (main recorded it for the launcher)
+        sys.excepthook(*sys.exc_info())
+        leave(1)
+    leave(0)

@@ -5,7 +5,6 @@ initialised), so the trainer never branches on whether it is distributed."""
 from __future__ import annotations
 
 import atexit
-
 import datetime
 import os
 from collections.abc import Callable
@@ -108,7 +107,8 @@ class ProcessGroup:
     # -- joining ---------------------------------------------------------------------------------
     def init(self, timeout_seconds: int = 1800, device_type: str = "cpu") -> None:
         """Join the process group (unless the program already has) and build the mesh on
-        `device_type`, the training device's type. A collective that waits longer than
+        `device_type`, the training device's type. A collective on any group of the job (the
+        default one, each mesh dimension's, the host group) that waits longer than
         `timeout_seconds` (a rank died without the launcher noticing) fails instead of hanging."""
         if not self.distributed or self.mesh is not None:
             return
@@ -117,10 +117,11 @@ class ProcessGroup:
             backend = self.backend() if callable(self.backend) else self.backend
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                     store=self._attempt_store(timeout))
-            # Joined here, left here: torch warns of (and a backend's threads, still running at
-            # interpreter exit, can abort the process over) a group never destroyed.
+            # Joined here, left here: torch warns of a group never destroyed. This does not stop
+            # Gloo's threads while the mesh or FSDP still hold the groups; how a worker ends
+            # without their abort at exit is entry.leave's.
             atexit.register(_leave_process_group)
-        self.mesh = self.dims.build(device_type)
+        self.mesh = self.dims.build(device_type, timeout)
         # Host values (a step's token count, a stop request) meet on Gloo whatever the device's
         # backend: no device sync, and a collective every rank reaches at the same point.
         gloo = dist.Backend.GLOO
@@ -188,6 +189,6 @@ def _check_rendezvous_env(world: int) -> None:
 
 
 def _leave_process_group() -> None:
-    """At exit: destroy the default process group this process joined (no collective)."""
+    """At exit: destroy the process groups this process joined (no collective)."""
     if dist.is_initialized():
         dist.destroy_process_group()

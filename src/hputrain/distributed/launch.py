@@ -23,6 +23,7 @@ from ..errors import InputError
 LOOPBACK = "127.0.0.1"
 LAUNCHER_PID = "HPUTRAIN_LAUNCHER_PID"  # entry.py: the process a worker must die with
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+BAD_INPUT = 2  # a worker's exit status for bad input (one line on stderr), passed on by the launcher
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torch's agent catches these
 
 
@@ -31,8 +32,8 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
            cpu: bool = False) -> int:
     """Run `target` ([SCRIPT, ARGS...] or ["-m", MODULE, ARGS...]) in nproc_per_node processes on
     this node, one of `nnodes`, under torch's elastic agent (what torchrun runs). Returns the exit
-    status: 0, 128 + the signal that stopped the run, or 1 after a failure (one line per failed
-    rank, with its error)."""
+    status: 0, 128 + the signal that stopped the run, 2 when every failed rank exited 2 (bad
+    input), or 1 after any other failure (one line per failed rank, with its error)."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.launcher.api import LaunchConfig
@@ -51,7 +52,7 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
         run_id=f"hputrain-{master_addr}-{master_port}", rdzv_backend="static",
         rdzv_endpoint=f"{master_addr}:{master_port}", rdzv_configs={"rank": node_rank},
         max_restarts=max_restarts, monitor_interval=0.5,
-        local_addr=LOOPBACK if nnodes == 1 else None)
+        local_addr=LOOPBACK if nnodes == 1 else None, logs_specs=_logs_specs())
     try:
         with _quiet_torch_logs(), _own_signal_handlers():
             failures = _run_agent(config, sys.executable,
@@ -69,6 +70,20 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
     finally:
         del local_store
     return _report(failures)
+
+
+def _logs_specs():
+    """Where each rank's output goes: the console, and with torchrun's own variables PET_LOG_DIR
+    and PET_TEE (or PET_REDIRECTS), e.g. 3 for both streams, also (or only) one file per rank and
+    stream under PET_LOG_DIR/RUN_ID/attempt_N/RANK/."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    try:
+        return DefaultLogsSpecs(log_dir=os.environ.get("PET_LOG_DIR") or None,
+                                redirects=Std.from_str(os.environ.get("PET_REDIRECTS") or "0"),
+                                tee=Std.from_str(os.environ.get("PET_TEE") or "0"))
+    except ValueError as exc:
+        raise InputError(f"PET_REDIRECTS / PET_TEE: {exc}") from None
 
 
 def _rendezvous_endpoint(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None):
@@ -188,7 +203,9 @@ def stop_signal(failures: dict) -> signal.Signals | None:
 
 
 def _report(failures: dict) -> int:
-    """The exit status of a finished run, with one line on stderr when it did not succeed."""
+    """The exit status of a finished run, with one line on stderr when it did not succeed: 128 +
+    the signal that stopped it, 2 when every rank that failed of its own exited 2 (bad input, one
+    line each), else 1."""
     if not failures:
         return 0
     stop = stop_signal(failures)
@@ -196,20 +213,25 @@ def _report(failures: dict) -> int:
         exits = ", ".join(f"rank {rank} exited {failures[rank].exitcode}" for rank in sorted(failures))
         print(f"hputrain launch: stopped by {stop.name} ({exits}); exit {128 + stop}", file=sys.stderr)
         return 128 + stop
+    failed = own_failures(failures)
     for line in failure_lines(failures):
         print(f"hputrain launch: {line}", file=sys.stderr)
-    return 1
+    return BAD_INPUT if all(process.exitcode == BAD_INPUT for _, process in failed) else 1
+
+
+def own_failures(failures: dict) -> list[tuple[int, object]]:
+    """(rank, failure), the first failure first, without the ranks that only stopped because the
+    launcher ended the job after another failed (SIGTERM from torch's agent)."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if len(failures) == 1:
+        return ordered
+    return [(rank, process) for rank, process in ordered if stop_signal({rank: process}) is None]
 
 
 def failure_lines(failures: dict) -> list[str]:
-    """'rank R failed (exit code C): its error', the first failure first; ranks that only stopped
-    because the launcher ended the job after that failure are left out."""
-    lines = []
-    for rank, process in sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0])):
-        if stop_signal({rank: process}) is not None and len(failures) > 1:
-            continue
-        lines.append(f"rank {rank} failed (exit code {process.exitcode}): {error_line(process.message)}")
-    return lines
+    """'rank R failed (exit code C): its error' for each of `own_failures`."""
+    return [f"rank {rank} failed (exit code {process.exitcode}): {error_line(process.message)}"
+            for rank, process in own_failures(failures)]
 
 
 def error_line(message) -> str:

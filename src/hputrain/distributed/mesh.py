@@ -11,6 +11,7 @@ different samples; gradients meet over all ranks (dp_replicate × dp_shard × cp
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from ..errors import InputError
@@ -65,10 +66,36 @@ class MeshDims:
         """`rank`'s place in the mesh, as DeviceMesh.get_coordinate() gives it."""
         return self.dp_rank(rank) // self.dp_shard, self.dp_rank(rank) % self.dp_shard, self.cp_rank(rank)
 
-    def build(self, device_type: str):
+    def build(self, device_type: str, timeout: datetime.timedelta | None = None):
         """The DeviceMesh of this layout (a collective: every rank calls it, in the same order),
-        with one process group per dimension, on the default group's backend. Ask it for groups
-        and sub-meshes by name: mesh["cp"].get_group(), mesh["dp_replicate", "dp_shard"]."""
+        with one process group per dimension, on the default group's backend, whose collectives
+        fail after `timeout` (torch's default when None). Ask it for groups and sub-meshes by
+        name: mesh["cp"].get_group(), mesh["dp_replicate", "dp_shard"]."""
         from torch.distributed.device_mesh import init_device_mesh  # imports DTensor: not before use
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        # A dimension over every rank is the default group itself (already with the job's
+        # timeout); DeviceMesh creates the others with torch's default timeout unless their
+        # options carry one.
+        options = None if timeout is None else _group_options(timeout)
+        overrides = {name: options for name, size in zip(DIM_NAMES, self.shape)
+                     if options is not None and size < self.world_size}
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
+                                backend_override=overrides or None)
+
+
+def _group_options(timeout: datetime.timedelta):
+    """Options for a new group on the default group's backend that carry `timeout`: NCCL takes
+    only its own Options class; Gloo and the others read nothing from them but the timeout.
+    None for a group of several backends ("cpu:gloo,cuda:nccl"), whose options torch cannot take."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend as BackendBase
+
+    backend = dist.get_backend()
+    if "," in backend or ":" in backend:
+        return None
+    if backend == dist.Backend.NCCL:
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = BackendBase.Options(backend)
+    options._timeout = timeout
+    return options
