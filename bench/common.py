@@ -11,7 +11,7 @@ import torch
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.callbacks import Callback
-from hputrain.data import load_corpus
+from hputrain.data.batching import load_corpus
 from hputrain.models.gpt import GPTConfig
 
 

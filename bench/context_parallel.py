@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hputrain.distributed.context_parallel import ContextParallel, NoContextParallel
 from hputrain.models.gpt import GPT, GPTConfig
-from hputrain.telemetry import SavedForBackward
+from hputrain.training.telemetry import SavedForBackward
 
 
 def saved_activation_bytes(model, batch, context) -> int:

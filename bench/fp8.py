@@ -21,8 +21,8 @@ import torch
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT
-from hputrain.data import to_device
-from hputrain.telemetry import SavedForBackward
+from hputrain.data.batching import to_device
+from hputrain.training.telemetry import SavedForBackward
 
 from common import StepTimes, bf16_where_native, machine, median_step, model_and_data, parser
 

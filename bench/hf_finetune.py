@@ -58,7 +58,7 @@ from common import StepTimes, bf16_where_native, machine, median_step
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
-from hputrain.data import read_corpus
+from hputrain.data.batching import read_corpus
 
 try:
     import peft

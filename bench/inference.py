@@ -12,7 +12,7 @@ import statistics
 import torch
 
 from hputrain.accelerators import detect_accelerator
-from hputrain.inference import Generator
+from hputrain.execution.inference import Generator
 from hputrain.models.gpt import GPT, GPTConfig
 
 from common import machine

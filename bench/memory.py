@@ -31,9 +31,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators import detect_accelerator
-from hputrain.data import load_corpus
+from hputrain.data.batching import load_corpus
 from hputrain.models.gpt import GPT, GPTConfig
-from hputrain.telemetry import SavedForBackward
+from hputrain.training.telemetry import SavedForBackward
 
 from common import machine, trainer_step_time
 

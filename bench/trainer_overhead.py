@@ -18,7 +18,7 @@ from hputrain.accelerators import detect_accelerator
 from hputrain.models.gpt import GPT, GPTConfig
 
 from common import bf16_where_native, median_step, model_and_data, parser, print_table
-from hputrain.optim import lr_lambda
+from hputrain.training.optim import lr_lambda
 
 
 def stamped_model(config: GPTConfig, stamps: list) -> GPT:

@@ -12,10 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hputrain.distributed import context_parallel
-from hputrain.distributed.context_parallel import (
-    ContextParallel,
-    context_parallel_attention,
-)
+from hputrain.distributed.context_parallel import ContextParallel, context_parallel_attention
 
 
 def attention_diffs(rank, size, group):
@@ -41,7 +38,7 @@ def attention_diffs(rank, size, group):
 def hf_llama_diffs(rank, size, group):
     import transformers
 
-    from hputrain import kernels
+    from hputrain.execution import kernels
     from hputrain.accelerators.cpu import CPUAccelerator
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -37,7 +37,7 @@ def full_weights(model) -> dict:
 
 def text():
     """Windows of the standard library's source: text a GPT learns from within 20 steps."""
-    from hputrain.data import load_corpus
+    from hputrain.data.batching import load_corpus
 
     return load_corpus(seq_len=16, max_bytes=100_000)[0]
 

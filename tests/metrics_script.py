@@ -5,7 +5,8 @@ import json
 import sys
 from pathlib import Path
 
-from hputrain import Trainer, TrainingArguments, metrics
+from hputrain import Trainer, TrainingArguments
+from hputrain import metrics
 from tests.test_compute_metrics import EVAL_SIZE, Classifier, classes
 
 

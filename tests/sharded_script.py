@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from hputrain import Trainer, TrainingArguments, trainer
+from hputrain import Trainer, TrainingArguments
+from hputrain.training import trainer
 from hputrain.distributed.blocks import block_modules
 from hputrain.distributed.strategies import Strategy
 from hputrain.errors import InputError

@@ -13,11 +13,13 @@ import torch
 
 from hputrain import AcceleratorConfig, TrainingArguments
 from hputrain.cli import main
-from hputrain.config import ConfigError
+from hputrain.config.fields import ConfigError
 from hputrain.distributed.blocks import block_modules
-from hputrain.distributed.checkpointing import apply_activation_checkpointing, is_checkpointed
+from hputrain.distributed.activation_checkpointing import (apply_activation_checkpointing,
+                                                           is_checkpointed)
 from hputrain.errors import InputError
-from hputrain.telemetry import SavedForBackward
+from hputrain.training.telemetry import SavedForBackward
+from hputrain.config.sections import ActivationCheckpointing
 
 from . import checkpointing_script as script
 
@@ -38,7 +40,7 @@ def _recomputed(model, blocks, kind: str, **checkpointing) -> list[int]:
     """How many times each block's MLP started in one training forward and backward: 2 where the
     block is recomputed in backward, 1 where its activations were kept. (A pre-hook: the
     recomputation stops as soon as it has what backward needs, before the MLP returns.)"""
-    apply_activation_checkpointing(model, TrainingArguments(**checkpointing))
+    apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**checkpointing)))
     calls = [0] * len(blocks)
     for i, block in enumerate(blocks):
         block.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -162,7 +164,7 @@ def test_saved_for_backward_bytes_fall(kind):
     saved = []
     for checkpointing in ({}, ON):
         model = script.build(kind, layers=4)
-        apply_activation_checkpointing(model, TrainingArguments(**checkpointing))
+        apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**checkpointing)))
         model.train()
         with SavedForBackward() as counter:
             model(**_batch(kind))
@@ -222,7 +224,7 @@ def test_without_checkpointing_nothing_is_recomputed():
 
 def test_eval_and_no_grad_run_the_plain_forward():
     model = script.build("gpt", 2)
-    apply_activation_checkpointing(model, TrainingArguments(**ON))
+    apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**ON)))
     model.eval()
     with SavedForBackward() as counter:
         model(**_batch("gpt"))
@@ -237,7 +239,7 @@ def test_eval_and_no_grad_run_the_plain_forward():
 def test_parameter_names_and_state_dict_keys_unchanged(kind):
     kind = _llama() if kind == "llama" else kind
     plain, model = script.build(kind), script.build(kind)
-    apply_activation_checkpointing(model, TrainingArguments(**ON))
+    apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**ON)))
     assert any(is_checkpointed(b) for b in block_modules(model))
     assert list(model.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
@@ -247,7 +249,7 @@ def test_parameter_names_and_state_dict_keys_unchanged(kind):
 
 def test_a_deep_copy_checkpoints_its_own_blocks():
     model = script.build("gpt", 2)
-    apply_activation_checkpointing(model, TrainingArguments(**ON))
+    apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**ON)))
     twin = copy.deepcopy(model)
     assert all(is_checkpointed(b) for b in twin.blocks)
     assert twin.blocks[0].forward.module is twin.blocks[0]
@@ -270,7 +272,7 @@ def test_named_block_classes_are_checkpointed(tmp_path):
     calls = [0, 0]
     for i, block in enumerate(model.blocks):
         block.attn.qkv.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    apply_activation_checkpointing(model, TrainingArguments(**ON, fsdp_block_classes=["CausalSelfAttention"]))
+    apply_activation_checkpointing(model, ActivationCheckpointing.of(TrainingArguments(**ON, fsdp_block_classes=["CausalSelfAttention"])))
     assert [is_checkpointed(b.attn) for b in model.blocks] == [True, True]
     assert not any(is_checkpointed(b) for b in model.blocks)
     model(**_batch("gpt"))["loss"].backward()
@@ -280,7 +282,7 @@ def test_named_block_classes_are_checkpointed(tmp_path):
 def test_a_block_class_that_does_not_exist_is_one_line():
     with pytest.raises(InputError) as exc:
         apply_activation_checkpointing(script.build("gpt", 2),
-                                       TrainingArguments(**ON, fsdp_block_classes=["Blok"]))
+                                       ActivationCheckpointing.of(TrainingArguments(**ON, fsdp_block_classes=["Blok"])))
     message = str(exc.value)
     assert "\n" not in message
     assert "'Blok'" in message and "no module class of GPT" in message and "'Block'" in message
@@ -288,7 +290,7 @@ def test_a_block_class_that_does_not_exist_is_one_line():
 
 def test_a_model_without_blocks_is_one_line():
     with pytest.raises(InputError, match="has no transformer blocks.*fsdp_block_classes"):
-        apply_activation_checkpointing(torch.nn.Linear(4, 4), TrainingArguments(**ON))
+        apply_activation_checkpointing(torch.nn.Linear(4, 4), ActivationCheckpointing.of(TrainingArguments(**ON)))
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from hputrain import Callback, EarlyStopping, Trainer
-from hputrain.callbacks import MetricsFile, added_to_every_trainer
+from hputrain.callbacks import added_to_every_trainer
+from hputrain.callbacks.writers import MetricsFile
 from hputrain.errors import InputError
 
 from .test_trainer import Regression, records, regression_data

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import hputrain.checkpoint as ckpt
+import hputrain.checkpoint.saving as ckpt
 from hputrain.accelerators.cpu import CPUAccelerator
-from hputrain.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
-                                 resolve_checkpoint, save_checkpoint)
+from hputrain.checkpoint.folder import CheckpointError
+from hputrain.checkpoint.saving import (latest_checkpoint, load_checkpoint, resolve_checkpoint,
+                                        save_checkpoint)
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
 
@@ -157,7 +158,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         path.write_bytes(b"\x80\x02partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_torch_save", half_then_crash)
+    monkeypatch.setattr(ckpt, "torch_save", half_then_crash)
     with pytest.raises(CheckpointError, match="checkpoint-2: disk full"):
         save(tmp_path, 2, run)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
@@ -186,7 +187,7 @@ def test_failed_rename_on_resave_puts_the_old_folder_back(tmp_path, monkeypatch)
 
 KILLED_SAVE = textwrap.dedent("""
     import sys, time, torch
-    import hputrain.checkpoint as ckpt
+    import hputrain.checkpoint.saving as ckpt
     from hputrain.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{shape!r}))
@@ -196,12 +197,12 @@ KILLED_SAVE = textwrap.dedent("""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    real = ckpt._torch_save
+    real = ckpt.torch_save
     def slow(obj, path):
         real(obj, path)
         print("MIDSAVE", flush=True)
         time.sleep(60)
-    ckpt._torch_save = slow
+    ckpt.torch_save = slow
     ckpt.save_checkpoint(sys.argv[1], 2, **args)
 """).format(shape=SHAPE)
 
@@ -329,7 +330,7 @@ def test_latest_and_resolve(tmp_path):
 
 def test_rank_without_the_shared_folder_is_told_so(tmp_path):
     """A rank whose output_dir is not the one rank 0 wrote into (no shared filesystem)."""
-    from hputrain.checkpoint import CheckpointError, write_rng_state
+    from hputrain.checkpoint.saving import write_rng_state
 
     with pytest.raises(CheckpointError, match="missing on rank 1: every rank must see the same output_dir"):
         write_rng_state(tmp_path / ".tmp-checkpoint-5", 1)

@@ -66,7 +66,7 @@ def test_from_pretrained_llama_checkpoints_and_resumes(tmp_path, pretrained):
 def test_built_in_gpt_config_json_is_its_fields(tmp_path):
     import dataclasses
 
-    from hputrain.checkpoint import save_checkpoint
+    from hputrain.checkpoint.saving import save_checkpoint
     from hputrain.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)

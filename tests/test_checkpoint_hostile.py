@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from hputrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hputrain.fp8 import Fp8Linear, Fp8Recipe
+from hputrain.checkpoint.folder import CheckpointError
+from hputrain.checkpoint.saving import load_checkpoint, save_checkpoint
+from hputrain.execution.fp8 import Fp8Linear, Fp8Recipe
 
 from .test_checkpoint import SHAPE, tiny_run, train
 
@@ -108,7 +109,8 @@ def test_optimizer_state_of_a_real_run_loads(folder):
 
 FUSED_STEP = textwrap.dedent("""
     import sys, torch
-    from hputrain.checkpoint import CheckpointError, load_checkpoint
+    from hputrain.checkpoint.folder import CheckpointError
+    from hputrain.checkpoint.saving import load_checkpoint
     from hputrain.models.gpt import GPT, GPTConfig
     model = GPT(GPTConfig(**{shape!r}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from hputrain import Trainer, TrainingArguments, metrics
+from hputrain import Trainer, TrainingArguments
+from hputrain import metrics
 from hputrain.errors import InputError
 
 from .hf_fixtures import llama_folder  # noqa: F401

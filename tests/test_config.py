@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from hputrain.config import AcceleratorConfig, ConfigError, TrainingArguments, field_docs
-from hputrain.flags import add_dataclass_flags
+from hputrain.config.accelerator_config import AcceleratorConfig
+from hputrain.config.fields import ConfigError, field_docs
+from hputrain.config.arguments import TrainingArguments
+from hputrain.config.flags import add_dataclass_flags
 
 DESIGN_FIELDS = """output_dir per_device_train_batch_size gradient_accumulation_steps learning_rate
 weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm num_train_epochs max_steps warmup_steps

@@ -14,8 +14,9 @@ from hputrain import AcceleratorConfig, TrainingArguments
 from hputrain.accelerators import cpu as cpu_module
 from hputrain.accelerators.cpu import CPUAccelerator, measured_matmul_flops
 from hputrain.cli import main
-from hputrain.precision import BF16Autocast, Precision, select_precision
-from hputrain.telemetry import ThroughputClock, job_peak_flops
+from hputrain.execution.precision import BF16Autocast, Precision, select_precision
+from hputrain.training.telemetry import ThroughputClock, job_peak_flops
+from hputrain.config.sections import PrecisionSettings
 
 # The AMD EPYC: AVX2 only, bf16 matmul at ~1 GFLOP/s against ~100 in fp32.
 AVX2_ONLY = frozenset({"fpu", "sse4_2", "fma", "avx", "avx2"})
@@ -40,7 +41,7 @@ def cpu_like(monkeypatch):
 
 
 def select(cpu, **training):
-    return select_precision(TrainingArguments(**training), AcceleratorConfig(), cpu)
+    return select_precision(PrecisionSettings.of(TrainingArguments(**training)), AcceleratorConfig(), cpu)
 
 
 def test_the_probe_measures_both_dtypes_on_this_machine_once_per_process():
@@ -77,7 +78,7 @@ def test_bf16_asked_for_where_it_is_not_native_stays_bf16_with_one_line(cpu_like
         plugin = select(cpu, **training)
         assert isinstance(plugin, BF16Autocast), training  # what the user asked for
         assert plugin.notice == SLOW_LINE and "\n" not in plugin.notice
-    plugin = select_precision(TrainingArguments(), AcceleratorConfig(use_torch_autocast=True), cpu)
+    plugin = select_precision(PrecisionSettings.of(TrainingArguments()), AcceleratorConfig(use_torch_autocast=True), cpu)
     assert plugin.notice == SLOW_LINE  # a GaudiConfig's autocast asks for bf16 too
 
 

@@ -5,14 +5,8 @@ import re
 import pytest
 import torch
 
-from hputrain.data import (
-    DataError,
-    TokenWindows,
-    load_corpus,
-    read_corpus,
-    split_windows,
-    stdlib_source_dir,
-)
+from hputrain.data.batching import (DataError, TokenWindows, load_corpus, read_corpus,
+                                    split_windows, stdlib_source_dir)
 
 
 @pytest.fixture
@@ -137,7 +131,7 @@ def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
 
-READ_IN_A_CHILD = ("import sys; from hputrain.data import read_corpus\n"
+READ_IN_A_CHILD = ("import sys; from hputrain.data.batching import read_corpus\n"
                    "try:\n    sys.stdout.buffer.write(read_corpus(sys.argv[1]))\n"
                    "except ValueError as exc:\n    print(exc, file=sys.stderr); sys.exit(2)")
 
@@ -178,7 +172,7 @@ def test_reading_opens_a_fifo_without_waiting(tmp_path):
     import sys
 
     os.mkfifo(tmp_path / "late.txt")
-    code = "import sys; from hputrain.data import _read_text_file; print(_read_text_file(sys.argv[1]))"
+    code = "import sys; from hputrain.data.batching import _read_text_file; print(_read_text_file(sys.argv[1]))"
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "late.txt")],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout == "None\n", proc.stderr  # returned: no writer needed

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from hputrain import Trainer, TrainingArguments
-from hputrain import data as data_module
-from hputrain import loading
-from hputrain.data import (DropUnusedColumns, LoaderOptions, MicroBatches, PadToBuckets, default_collate,
-                           default_collator_for, to_device)
+from hputrain.data import batching as data_module
+from hputrain.data import workers as loading
+from hputrain.data.batching import (DropUnusedColumns, LoaderOptions, MicroBatches, PadToBuckets,
+                                    default_collate, default_collator_for, to_device)
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.config.sections import DataSettings
 
 from .test_trainer import Regression, regression_data
 
@@ -231,7 +232,7 @@ def test_the_default_collators_pickle():
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64))
     samples = [{"input_ids": torch.arange(n), "labels": torch.arange(n), "text": "t"} for n in (3, 7, 5)]
     settings = [{}, {"pad_to_multiple_of": 8}, {"length_buckets": 4}]
-    collators = [default_collator_for(model, TrainingArguments(**s)) for s in settings]
+    collators = [default_collator_for(model, DataSettings.of(TrainingArguments(**s))) for s in settings]
     assert collators[0] is default_collate and all(isinstance(c, PadToBuckets) for c in collators[1:])
     for collate in collators:
         for original in (collate, DropUnusedColumns(collate, frozenset({"input_ids", "labels"}))):

@@ -6,9 +6,10 @@ import os
 import pytest
 
 from hputrain.cli import Parser
-from hputrain.config import TrainingArguments
-from hputrain.defaults import (LaunchDefaults, add_config_parser, ask, defaults_path,
-                               load_defaults, training_defaults, write_defaults)
+from hputrain.config.arguments import TrainingArguments
+from hputrain.cli.config import add_config_parser, ask
+from hputrain.config.defaults import (LaunchDefaults, defaults_path, load_defaults, training_defaults,
+                                      write_defaults)
 from hputrain.errors import InputError
 
 BUILT_IN = {"accelerator": "auto", "nproc_per_node": "auto", "num_nodes": 1,

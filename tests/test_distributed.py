@@ -17,6 +17,7 @@ from hputrain import TrainingArguments
 from hputrain.distributed import ProcessGroup, select_strategy
 from hputrain.distributed.launch import relaunch_current_program
 from hputrain.errors import InputError
+from hputrain.config.sections import ParallelismSettings
 
 from . import dist_script
 
@@ -142,11 +143,11 @@ def test_launch_reads_the_saved_defaults(tmp_path):
 def test_strategy_selection():
     two = ProcessGroup(rank=0, local_rank=0, world_size=2, backend="gloo")
     one = ProcessGroup(rank=0, local_rank=0, world_size=1, backend="gloo")
-    assert select_strategy(TrainingArguments(), two).name == "ddp"
-    assert select_strategy(TrainingArguments(strategy="fast_ddp"), two).name == "fast_ddp"
-    assert select_strategy(TrainingArguments(strategy="ddp"), one).name == "single"
+    assert select_strategy(ParallelismSettings.of(TrainingArguments()), two).name == "ddp"
+    assert select_strategy(ParallelismSettings.of(TrainingArguments(strategy="fast_ddp")), two).name == "fast_ddp"
+    assert select_strategy(ParallelismSettings.of(TrainingArguments(strategy="ddp")), one).name == "single"
     with pytest.raises(InputError, match="strategy 'single' runs one process"):
-        select_strategy(TrainingArguments(strategy="single"), two)
+        select_strategy(ParallelismSettings.of(TrainingArguments(strategy="single")), two)
 
 
 def test_world_size_must_match_devices_and_nodes(monkeypatch):

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from hputrain import Callback, Trainer, TrainingArguments
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads, LazyBackendGaps, _composed_attention
-from hputrain.data import PadToBuckets, default_collate
-from hputrain.doctor import DoctorFinished, diagnose, walk_run_batches
+from hputrain.data.batching import PadToBuckets, default_collate
 from hputrain.models.gpt import GPT, GPTConfig
-from hputrain.shapes import MAX_SHAPES, take_census
+from hputrain.rehearsal.doctor import DoctorFinished, diagnose, walk_run_batches
+from hputrain.rehearsal.shapes import MAX_SHAPES, take_census
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 

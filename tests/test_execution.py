@@ -46,7 +46,7 @@ def test_lazy_on_cpu_trains_like_eager(tmp_path):
 
 def test_recipe_model_reaches_steady_state_in_lazy_mode(tmp_path):
     """The built-in recipe's GPT (tiny), logging and evaluating: no graph compiles after warm-up."""
-    from hputrain.data import load_corpus
+    from hputrain.data.batching import load_corpus
 
     train, val = load_corpus(seq_len=64, max_bytes=200_000)
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hputrain import Trainer, TrainingArguments, export
+from hputrain import Trainer, TrainingArguments
+from hputrain.checkpoint import export
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from hputrain import Trainer, TrainingArguments
-from hputrain.checkpoint import EXTRA_STATE_FILE
+from hputrain.checkpoint.folder import EXTRA_STATE_FILE
 from hputrain.errors import InputError
-from hputrain.fp8 import E4M3, E5M2, GRAD, INPUT, WEIGHT, Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_layer_names
+from hputrain.execution.fp8 import (E4M3, E5M2, GRAD, INPUT, WEIGHT, Fp8Linear, Fp8Recipe,
+                                    convert_to_fp8, fp8_layer_names)
 from hputrain.models.gpt import GPT, GPTConfig
-from hputrain.telemetry import SavedForBackward
+from hputrain.training.telemetry import SavedForBackward
 
 from .conftest import requires_cuda
 from .test_execution import HPUOnCPU
@@ -125,7 +126,7 @@ def test_the_skip_rule():
 
 
 def train(tmp_path, name, steps=40, **settings):
-    from hputrain.data import load_corpus
+    from hputrain.data.batching import load_corpus
 
     train_data, _ = load_corpus(seq_len=32, max_bytes=200_000)
     torch.manual_seed(0)
@@ -161,7 +162,7 @@ def test_fp8_resume_restores_weights_and_scaling_state_exactly(tmp_path):
         assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale), name
         assert a.amax_history[:, 6:].count_nonzero() > 0  # the history reaches back before the save
     # the master weights load into a model without fp8 (inference, export)
-    from hputrain.checkpoint import load_checkpoint
+    from hputrain.checkpoint.saving import load_checkpoint
 
     plain = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32))
     load_checkpoint(tmp_path / "straight" / "checkpoint-12", model=plain, restore_rng=False)

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from hputrain import TrainingArguments
-from hputrain.config import ConfigError
+from hputrain.config.fields import ConfigError
 from hputrain.distributed import ProcessGroup, select_strategy
-from hputrain.distributed.fsdp import FSDP, dp_shard_size, materialise, mixed_precision_policy, reshard_after_forward
+from hputrain.distributed.fsdp import (FSDP, dp_shard_size, materialise, mixed_precision_policy,
+                                       reshard_after_forward)
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT
+from hputrain.config.sections import ParallelismSettings
 
 from . import fsdp_script
 from .test_distributed import ENV, free_port, hputrain_launch
@@ -238,19 +240,19 @@ def test_hugging_face_spellings():
     assert TrainingArguments(fsdp=["shard_grad_op"]).fsdp == "shard_grad_op"
     assert TrainingArguments(strategy="fsdp").fsdp == "full_shard"
     assert TrainingArguments(fsdp="").strategy == "auto"
-    assert not reshard_after_forward(TrainingArguments(fsdp="shard_grad_op"))
-    assert reshard_after_forward(TrainingArguments(fsdp="full_shard"))
-    assert not reshard_after_forward(TrainingArguments(strategy="fsdp", fsdp_reshard_after_forward=False))
+    assert not reshard_after_forward(ParallelismSettings.of(TrainingArguments(fsdp="shard_grad_op")))
+    assert reshard_after_forward(ParallelismSettings.of(TrainingArguments(fsdp="full_shard")))
+    assert not reshard_after_forward(ParallelismSettings.of(TrainingArguments(strategy="fsdp", fsdp_reshard_after_forward=False)))
     with pytest.raises(ConfigError, match="fsdp_config is not taken: .*fsdp_cpu_offload"):
         TrainingArguments(fsdp_config={"min_num_params": 1})
 
 
 def test_shard_size_and_mixed_precision(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert dp_shard_size(fsdp_args(), 4) == 4
-    assert dp_shard_size(TrainingArguments(fsdp="hybrid_shard", num_nodes=2), 8) == 4
+    assert dp_shard_size(ParallelismSettings.of(fsdp_args()), 4) == 4
+    assert dp_shard_size(ParallelismSettings.of(TrainingArguments(fsdp="hybrid_shard", num_nodes=2)), 8) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert dp_shard_size(TrainingArguments(fsdp="hybrid_shard"), 8) == 2
+    assert dp_shard_size(ParallelismSettings.of(TrainingArguments(fsdp="hybrid_shard")), 8) == 2
     bf16 = mixed_precision_policy(torch.bfloat16)
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert mixed_precision_policy(torch.float32).param_dtype is None
@@ -258,9 +260,9 @@ def test_shard_size_and_mixed_precision(monkeypatch):
 
 def test_strategy_selection_and_sharded_state():
     group = ProcessGroup(0, 0, 1, "gloo")
-    strategy = select_strategy(fsdp_args(), group)
+    strategy = select_strategy(ParallelismSettings.of(fsdp_args()), group)
     assert isinstance(strategy, FSDP) and strategy.shards_state
-    assert not select_strategy(TrainingArguments(), group).shards_state
+    assert not select_strategy(ParallelismSettings.of(TrainingArguments()), group).shards_state
 
 
 def test_gaudi_runs_fsdp_in_eager_mode_on_hccl_and_refuses_lazy(fake_hpu):
@@ -268,10 +270,10 @@ def test_gaudi_runs_fsdp_in_eager_mode_on_hccl_and_refuses_lazy(fake_hpu):
 
     group = ProcessGroup(0, 0, 1, "hccl")
     with pytest.raises(InputError, match="not in execution_mode='lazy' on hpu") as exc:
-        select_strategy(fsdp_args(), group, HPUAccelerator())  # Gaudi's default mode is lazy
+        select_strategy(ParallelismSettings.of(fsdp_args()), group, HPUAccelerator())  # Gaudi's default mode is lazy
     assert "\n" not in str(exc.value)
     eager = HPUAccelerator("eager")
-    assert isinstance(select_strategy(fsdp_args(), group, eager), FSDP)
+    assert isinstance(select_strategy(ParallelismSettings.of(fsdp_args()), group, eager), FSDP)
     assert eager.dist_backend() == "hccl"  # the backend the mesh is built on
     eager.setup(0)
     assert fake_hpu.import_env["PT_HPU_LAZY_MODE"] == "0"  # set before the runtime's import

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hputrain import Trainer, TrainingArguments
-from hputrain.data import MicroBatches, TokenWindows
+from hputrain.data.batching import MicroBatches, TokenWindows
 from hputrain.models.gpt import GPT, GPTConfig
 
 SEED, STEPS, BATCH = 0, 20, 4

@@ -11,9 +11,11 @@ import torch
 
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.cli import main
-from hputrain.config import (AcceleratorConfig, ConfigError, TrainingArguments,
-                             as_training_arguments, check_trainer_kwargs)
-from hputrain.optim import create_optimizer, create_scheduler
+from hputrain.config.accelerator_config import AcceleratorConfig
+from hputrain.config.fields import ConfigError
+from hputrain.config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
+from hputrain.training.optim import create_optimizer, create_scheduler
+from hputrain.config.sections import OptimizerSettings
 
 # GaudiTrainingArguments' own fields (optimum-habana is not installed here).
 GAUDI_FIELDS = """use_habana gaudi_config_name use_lazy_mode use_hpu_graphs use_hpu_graphs_for_inference
@@ -181,7 +183,7 @@ def test_cli_takes_the_supported_names(no_saved_defaults):
 def _optimizer_for(model, schedule, warmup_ratio, total):
     args = TrainingArguments(learning_rate=1.0, lr_scheduler_type=schedule, warmup_ratio=warmup_ratio)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    return optimizer, create_scheduler(optimizer, args, total)
+    return optimizer, create_scheduler(optimizer, OptimizerSettings.of(args), total)
 
 
 @pytest.mark.parametrize("schedule, reference", [
@@ -207,7 +209,7 @@ def test_warmup_ratio_matches_the_hugging_face_schedule(schedule, reference, rat
     ("adamw_torch_fused", False, False),
 ])
 def test_optim_picks_the_fused_kernel_on_cpu(optim, use_fused_adam, fused):
-    optimizer = create_optimizer(torch.nn.Linear(4, 4), TrainingArguments(optim=optim),
+    optimizer = create_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(TrainingArguments(optim=optim)),
                                  AcceleratorConfig(use_fused_adam=use_fused_adam), CPUAccelerator())
     assert type(optimizer) is torch.optim.AdamW and bool(optimizer.defaults["fused"]) is fused
 
@@ -217,7 +219,7 @@ def test_optim_picks_the_fused_kernel_on_cpu(optim, use_fused_adam, fused):
 def test_optim_on_gaudi_is_fused_adamw(fake_hpu, optim, fused_adamw):
     from hputrain.accelerators.hpu import HPUAccelerator
 
-    optimizer = create_optimizer(torch.nn.Linear(4, 4), TrainingArguments(optim=optim),
+    optimizer = create_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(TrainingArguments(optim=optim)),
                                  AcceleratorConfig(), HPUAccelerator())
     assert (type(optimizer).__name__ == "FusedAdamW") is fused_adamw
     assert ("FusedAdamW" in fake_hpu.names()) is fused_adamw
@@ -226,7 +228,7 @@ def test_optim_on_gaudi_is_fused_adamw(fake_hpu, optim, fused_adamw):
 # -- Trainer keyword arguments ---------------------------------------------------------------------
 
 def _our_trainer_arguments() -> set[str]:
-    from hputrain.trainer import Trainer
+    from hputrain.training.trainer import Trainer
 
     return set(inspect.signature(Trainer.__init__).parameters)
 
@@ -293,7 +295,7 @@ def test_report_to_none_writes_no_tensorboard_events(tmp_path):
 
 def test_trainer_takes_args_as_a_dict_and_refuses_hf_keywords(tmp_path):
     from hputrain import Trainer
-    from hputrain.config import ConfigError
+    from hputrain.config.fields import ConfigError
 
     from .test_trainer import Regression
 

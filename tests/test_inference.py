@@ -10,7 +10,7 @@ import torch
 
 from hputrain import Trainer, TrainingArguments
 from hputrain.accelerators.cpu import CPUAccelerator
-from hputrain.inference import DecodeStep, Generator, bucket_for, wrap_for_inference
+from hputrain.execution.inference import DecodeStep, Generator, bucket_for, wrap_for_inference
 from hputrain.models.gpt import GPT, GPTConfig
 
 
@@ -210,7 +210,7 @@ def tiny_t5(transformers):
 
 
 def test_max_length_read_from_configs():
-    from hputrain.inference import max_length
+    from hputrain.execution.inference import max_length
 
     transformers = _transformers()
     assert max_length(tiny_gpt(block_size=40)) == (40, "block_size")

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hputrain import Trainer, TrainingArguments, kernels
+from hputrain import Trainer, TrainingArguments
+from hputrain.execution import kernels
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.accelerators.hpu import HPUAccelerator
 from hputrain.errors import InputError
@@ -272,7 +273,7 @@ def test_attention_recompute_reaches_fused_sdpa_from_training_arguments(tmp_path
     ("use_fused_rms_norm", "fused_kernels"), ("use_fused_rope", "no public hook"),
 ])
 def test_optimum_kernel_switches_say_what_to_use(name, words):
-    from hputrain.config import ConfigError
+    from hputrain.config.fields import ConfigError
 
     with pytest.raises(ConfigError, match=words):
         TrainingArguments(**{name: True})

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from hputrain import TrainingArguments
-from hputrain.data import PadToBuckets, bucket_lengths, default_collate, default_collator_for
+from hputrain.data.batching import (PadToBuckets, bucket_lengths, default_collate,
+                                    default_collator_for)
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.config.sections import DataSettings
 
 from .doctor_scripts import ragged
 from .hf_fixtures import tiny_llama_config
@@ -80,17 +82,17 @@ def test_default_collator_for_reads_the_model_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaForCausalLM(tiny_llama_config(64))
     plain = TrainingArguments(output_dir=str(tmp_path))
-    assert default_collator_for(llama, plain) is default_collate
-    collate = default_collator_for(llama, TrainingArguments(output_dir=str(tmp_path), length_buckets=4))
+    assert default_collator_for(llama, DataSettings.of(plain)) is default_collate
+    collate = default_collator_for(llama, DataSettings.of(TrainingArguments(output_dir=str(tmp_path), length_buckets=4)))
     assert isinstance(collate, PadToBuckets) and collate.pad_token_id == 3
     assert collate.lengths == [32, 64, 96, 128]
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64))
-    collate = default_collator_for(gpt, TrainingArguments(output_dir=str(tmp_path), pad_to_multiple_of=16))
+    collate = default_collator_for(gpt, DataSettings.of(TrainingArguments(output_dir=str(tmp_path), pad_to_multiple_of=16)))
     assert collate.pad_token_id == 0 and collate.max_length == 64 and collate.lengths is None
 
     bucketed = TrainingArguments(output_dir=str(tmp_path), length_buckets=2)
     with pytest.raises(InputError) as error:
-        default_collator_for(torch.nn.Linear(2, 2), bucketed)
+        default_collator_for(torch.nn.Linear(2, 2), DataSettings.of(bucketed))
     assert "Linear does not give: use pad_to_multiple_of instead" in str(error.value)
 
 

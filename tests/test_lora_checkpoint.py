@@ -7,13 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hputrain import checkpoint
-from hputrain.checkpoint_sharded import (
-    SHARDED_DIR,
-    ShardedState,
-    export_model,
-    load_metadata,
-)
+from hputrain.checkpoint import saving as checkpoint
+from hputrain.checkpoint.folder import (MODEL_FILE, SHARDED_DIR, TRAINABLE_FILE, TRAINABLE_RECORD,
+                                        CheckpointError)
+from hputrain.checkpoint.sharded import ShardedState, export_model, load_metadata
 
 from .hf_fixtures import llama_folder  # noqa: F401
 from .test_export import load_llama, logits, train
@@ -51,12 +48,12 @@ def test_lora_checkpoint_holds_the_adapter_not_the_base(tmp_path, llama_folder):
     train(model, tmp_path, steps=2, save_steps=2)
     folder = tmp_path / "checkpoint-2"
     names = {path.name for path in folder.iterdir()}
-    assert checkpoint.MODEL_FILE not in names
-    assert {checkpoint.TRAINABLE_FILE, checkpoint.TRAINABLE_RECORD, "adapter_config.json",
+    assert MODEL_FILE not in names
+    assert {TRAINABLE_FILE, TRAINABLE_RECORD, "adapter_config.json",
             "adapter_model.safetensors", "optimizer.pt", "config.json"} <= names
-    saved = load_file(str(folder / checkpoint.TRAINABLE_FILE))
+    saved = load_file(str(folder / TRAINABLE_FILE))
     assert set(saved) == set(adapter(model))  # the trainable parameters, no base weight name
-    record = json.loads((folder / checkpoint.TRAINABLE_RECORD).read_text())
+    record = json.loads((folder / TRAINABLE_RECORD).read_text())
     assert record["parameters"] == list(saved)
     optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
     assert len(optimizer["state"]) == len(saved)
@@ -94,11 +91,11 @@ def test_lora_resume_equals_a_straight_run(tmp_path, llama_folder):  # noqa: F81
 def test_a_checkpoint_of_another_adapter_is_one_line(tmp_path, llama_folder):  # noqa: F811
     train(lora(llama_folder), tmp_path, steps=2, save_steps=2)
     other = lora(llama_folder, targets=("q_proj", "k_proj"))
-    with pytest.raises(checkpoint.CheckpointError, match="trainable parameters are not the model's") as info:
+    with pytest.raises(CheckpointError, match="trainable parameters are not the model's") as info:
         checkpoint.load_checkpoint(tmp_path / "checkpoint-2", model=other)
     message = str(info.value)
     assert "\n" not in message and "k_proj" in message and "v_proj" in message
-    with pytest.raises(checkpoint.CheckpointError, match="trainable parameters are not the model's"):
+    with pytest.raises(CheckpointError, match="trainable parameters are not the model's"):
         checkpoint.load_checkpoint(tmp_path / "checkpoint-2", model=load_llama(llama_folder))
 
 
@@ -107,8 +104,8 @@ def test_a_fully_trainable_model_keeps_its_files(tmp_path, llama_folder):  # noq
     folder = checkpoint.save_checkpoint(tmp_path, 1, model=model, optimizer=None, scheduler=None,
                                         state={}, accelerator=None)
     names = {path.name for path in folder.iterdir()}
-    assert checkpoint.MODEL_FILE in names
-    assert not names & {checkpoint.TRAINABLE_FILE, checkpoint.TRAINABLE_RECORD, "adapter_config.json"}
+    assert MODEL_FILE in names
+    assert not names & {TRAINABLE_FILE, TRAINABLE_RECORD, "adapter_config.json"}
 
 
 def test_sharded_state_of_a_lora_holds_and_resumes_the_adapter(tmp_path, llama_folder):  # noqa: F811
@@ -125,9 +122,9 @@ def test_sharded_state_of_a_lora_holds_and_resumes_the_adapter(tmp_path, llama_f
     saved = [key for key in load_metadata(folder / SHARDED_DIR).state_dict_metadata
              if key.startswith("model.")]
     assert sorted(key[len("model."):] for key in saved) == sorted(adapter(model))
-    assert not (folder / checkpoint.MODEL_FILE).exists()  # no consolidated copy of the base
+    assert not (folder / MODEL_FILE).exists()  # no consolidated copy of the base
     assert (folder / "adapter_model.safetensors").is_file()
-    with pytest.raises(checkpoint.CheckpointError, match="only the trainable parameters"):
+    with pytest.raises(CheckpointError, match="only the trainable parameters"):
         export_model(folder)  # `hputrain export`: there is no whole model to write
 
     resumed = lora(llama_folder)
@@ -159,7 +156,7 @@ def test_two_process_fsdp_lora_resume_equals_a_straight_run(tmp_path):
                                f"{stopped},4")
     assert first.returncode == 0, first.stderr[-3000:]
     halfway = stopped / "checkpoint-4"
-    assert (halfway / SHARDED_DIR).is_dir() and not (halfway / checkpoint.MODEL_FILE).exists()
+    assert (halfway / SHARDED_DIR).is_dir() and not (halfway / MODEL_FILE).exists()
     at_four = torch.load(stopped / "adapter.pt")
     second, _ = hputrain_launch("--nproc-per-node", "2", "--cpu", script, str(base),
                                 f"{stopped},6,{halfway}")

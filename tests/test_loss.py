@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hputrain.loss import TokenCount, batch_size
+from hputrain.training.loss import TokenCount, batch_size
 
 from . import loss_script
 

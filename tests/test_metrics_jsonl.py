@@ -5,8 +5,7 @@ import json
 import pytest
 
 from hputrain.errors import InputError
-from hputrain.callbacks import MetricsFile
-from hputrain.telemetry import open_jsonl
+from hputrain.callbacks.writers import MetricsFile, open_jsonl
 
 WHOLE = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
 

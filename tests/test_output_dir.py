@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import hputrain.checkpoint as ckpt
-from hputrain.checkpoint import (CheckpointError, clear_leftovers, latest_checkpoint,
-                                 load_checkpoint, lock_output_dir)
+import hputrain.checkpoint.folder as ckpt
+import hputrain.checkpoint.full as full_state
+from hputrain.checkpoint.folder import CheckpointError, clear_leftovers, lock_output_dir
+from hputrain.checkpoint.saving import latest_checkpoint, load_checkpoint
 from hputrain.errors import InputError
 
 from .test_checkpoint import assert_same_weights, save, tiny_run
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from hputrain.checkpoint import lock_output_dir
+    from hputrain.checkpoint.folder import lock_output_dir
     lock = lock_output_dir(sys.argv[1])
     print("LOCKED", flush=True)
     time.sleep(120)
@@ -152,7 +153,7 @@ def test_disk_full_mid_save_is_one_line_and_keeps_the_earlier_checkpoint(tmp_pat
             Path(path).write_bytes(b"partial")
             raise ckpt.SafetensorError("Error while serializing: I/O error: No space left on "
                                        "device (os error 28)")
-        monkeypatch.setattr(ckpt, "save_file", save_file)
+        monkeypatch.setattr(full_state, "save_file", save_file)
     else:
         monkeypatch.setattr(Path, "write_text", _no_space)
     with pytest.raises(CheckpointError) as err:

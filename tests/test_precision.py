@@ -11,8 +11,10 @@ from hputrain import AcceleratorConfig, Trainer, TrainingArguments
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.accelerators.hpu import HPUAccelerator
 from hputrain.errors import InputError
-from hputrain.precision import (BF16Autocast, OpListAutocast, Precision, autocast, parse_precision,
-                                select_precision)
+from hputrain.execution.precision import (BF16Autocast, OpListAutocast, Precision, autocast,
+                                          select_precision)
+from hputrain.config.names import parse_precision
+from hputrain.config.sections import PrecisionSettings
 
 torch.manual_seed(0)
 A, B = torch.randn(4, 4), torch.randn(4, 4)
@@ -134,11 +136,11 @@ def test_auto_follows_the_device(fake_hpu):
         def bf16_shortfall(self):
             return "bf16 here runs 50x slower than fp32"
     auto = TrainingArguments(precision="auto")
-    assert isinstance(select_precision(auto, AcceleratorConfig(), HPUAccelerator()), BF16Autocast)
-    assert type(select_precision(auto, AcceleratorConfig(), Emulated())) is Precision
-    asked = select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), Emulated())
+    assert isinstance(select_precision(PrecisionSettings.of(auto), AcceleratorConfig(), HPUAccelerator()), BF16Autocast)
+    assert type(select_precision(PrecisionSettings.of(auto), AcceleratorConfig(), Emulated())) is Precision
+    asked = select_precision(PrecisionSettings.of(TrainingArguments(bf16=True)), AcceleratorConfig(), Emulated())
     assert isinstance(asked, BF16Autocast) and asked.notice.startswith("bf16 here runs 50x slower")
-    assert select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), HPUAccelerator()).notice is None
+    assert select_precision(PrecisionSettings.of(TrainingArguments(bf16=True)), AcceleratorConfig(), HPUAccelerator()).notice is None
 
 
 LEGACY = {"use_habana_mixed_precision": True, "hmp_opt_level": "O1", "hmp_is_verbose": False,
@@ -158,18 +160,18 @@ def config_file(tmp_path, data):
 
 def test_plugin_selection(tmp_path):
     cpu, args = CPUAccelerator(), TrainingArguments()
-    assert type(select_precision(args, AcceleratorConfig(), cpu)) is Precision
-    assert type(select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), cpu)) is BF16Autocast
-    assert type(select_precision(args, config_file(tmp_path, LEGACY), cpu)) is OpListAutocast
-    assert type(select_precision(args, config_file(tmp_path, CURRENT), cpu)) is OpListAutocast
-    assert type(select_precision(args, AcceleratorConfig(use_torch_autocast=True), cpu)) is BF16Autocast
+    assert type(select_precision(PrecisionSettings.of(args), AcceleratorConfig(), cpu)) is Precision
+    assert type(select_precision(PrecisionSettings.of(TrainingArguments(bf16=True)), AcceleratorConfig(), cpu)) is BF16Autocast
+    assert type(select_precision(PrecisionSettings.of(args), config_file(tmp_path, LEGACY), cpu)) is OpListAutocast
+    assert type(select_precision(PrecisionSettings.of(args), config_file(tmp_path, CURRENT), cpu)) is OpListAutocast
+    assert type(select_precision(PrecisionSettings.of(args), AcceleratorConfig(use_torch_autocast=True), cpu)) is BF16Autocast
 
 
 def test_fp8_runs_inside_the_bf16_plugin_and_needs_a_device_with_fp8():
-    from hputrain.precision import Fp8Mixed
+    from hputrain.execution.precision import Fp8Mixed
 
     lists = AcceleratorConfig(use_torch_autocast=True, autocast_fp32_ops=["softmax"])
-    plugin = select_precision(TrainingArguments(fp8=True, minimize_memory=True), lists, CPUAccelerator())
+    plugin = select_precision(PrecisionSettings.of(TrainingArguments(fp8=True, minimize_memory=True)), lists, CPUAccelerator())
     assert isinstance(plugin, Fp8Mixed) and isinstance(plugin.bf16, OpListAutocast)
     assert plugin.recipe.minimize_memory and plugin.recipe.scaling == "delayed"
 
@@ -177,7 +179,7 @@ def test_fp8_runs_inside_the_bf16_plugin_and_needs_a_device_with_fp8():
         def supports_fp8(self):
             return False
     with pytest.raises(InputError, match="fp8 was asked for, but .* cannot run fp8 matrix products"):
-        select_precision(TrainingArguments(fp8=True), AcceleratorConfig(), NoFP8())
+        select_precision(PrecisionSettings.of(TrainingArguments(fp8=True)), AcceleratorConfig(), NoFP8())
 
 
 def test_bf16_on_a_device_without_it_is_an_error():
@@ -185,7 +187,7 @@ def test_bf16_on_a_device_without_it_is_an_error():
         def supports_bf16(self):
             return False
     with pytest.raises(InputError, match="bf16 was asked for"):
-        select_precision(TrainingArguments(bf16=True), AcceleratorConfig(), NoBF16())
+        select_precision(PrecisionSettings.of(TrainingArguments(bf16=True)), AcceleratorConfig(), NoBF16())
 
 
 def test_gaudi_gets_the_lists_as_files_before_import(tmp_path, fake_hpu):
@@ -199,7 +201,7 @@ def test_gaudi_gets_the_lists_as_files_before_import(tmp_path, fake_hpu):
     assert open(fp32_file).read().split() == LEGACY["hmp_fp32_ops"]
     assert fake_hpu.calls[0][0] == "import"
     # the runtime applies the lists: plain torch.autocast on "hpu", no second layer of casting
-    plugin = select_precision(TrainingArguments(), config, hpu)
+    plugin = select_precision(PrecisionSettings.of(TrainingArguments()), config, hpu)
     assert type(plugin) is BF16Autocast and plugin.device_type == "hpu"
     # the same lists again agree with the runtime's environment; other lists do not
     HPUAccelerator("lazy", (config.autocast_bf16_ops, config.autocast_fp32_ops)).setup(0)

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from hputrain.errors import InputError
-from hputrain.report import add_report_parser, read_metrics, series, write_report
+from hputrain.cli.report import add_report_parser
+from hputrain.training.report import read_metrics, series, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -117,7 +118,7 @@ def test_report_subcommand_prints_each_file(tmp_path, capsys):
 
 
 def test_importing_report_does_not_import_matplotlib():
-    code = "import sys, hputrain.report; assert 'matplotlib' not in sys.modules"
+    code = "import sys, hputrain.training.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -14,15 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from hputrain.accelerators.cpu import CPUAccelerator
-from hputrain.checkpoint import (
-    CheckpointError,
-    FullState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    state_io_for,
-)
-from hputrain.checkpoint_sharded import METADATA_FILE, SHARDED_DIR, ShardedState
+from hputrain.checkpoint.folder import SHARDED_DIR, CheckpointError
+from hputrain.checkpoint.full import FullState
+from hputrain.checkpoint.saving import (latest_checkpoint, load_checkpoint, save_checkpoint,
+                                        state_io_for)
+from hputrain.checkpoint.sharded import METADATA_FILE, ShardedState
 from hputrain.cli import main as cli
 
 from .test_checkpoint import assert_same_weights, tiny_run, train
@@ -136,10 +132,8 @@ def test_a_malicious_optimizer_value_is_not_unpickled(tmp_path, monkeypatch):
     """Non-tensor values (the optimizer's hyper-parameters) are loaded with weights_only=True,
     where DCP's own planner would run what they hold."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     monkeypatch.chdir(tmp_path)
     run, folder = trained(tmp_path)

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from hputrain import trackers
-from hputrain.config import TrainingArguments
+from hputrain.callbacks import trackers
+from hputrain.config.arguments import TrainingArguments
 from hputrain.errors import InputError
 
 # What a run logs: two logging steps, an evaluation at the second, then the end-of-run summary
@@ -283,7 +283,7 @@ def test_trainer_with_report_to_mlflow_logs_the_loss_of_metrics_jsonl(tmp_path, 
     training = args(tmp_path, report_to=["mlflow"], max_steps=4, logging_steps=2)
     Trainer(Regression(), training, train_dataset=regression_data()).train()
     if not calls:
-        pytest.skip("hputrain.trainer does not call trackers.tracker_callbacks yet "
+        pytest.skip("hputrain.training.trainer does not call trackers.tracker_callbacks yet "
                     "(the callback wiring of issue 17)")
 
     losses = [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hputrain import Trainer, TrainingArguments
-from hputrain.data import MicroBatches, default_collate
+from hputrain.data.batching import MicroBatches, default_collate
 from hputrain.errors import InputError
-from hputrain.optim import lr_lambda
-from hputrain.telemetry import ThroughputClock
+from hputrain.training.optim import lr_lambda
+from hputrain.training.telemetry import ThroughputClock
 
 LOG_KEYS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
             "memory_allocated_gb", "max_memory_allocated_gb", "total_memory_available_gb"}
@@ -229,7 +229,7 @@ class FakeTime:
 
 def test_clock_leaves_out_warmup_and_pauses(monkeypatch):
     fake = FakeTime()
-    monkeypatch.setattr("hputrain.telemetry.time.perf_counter", fake)
+    monkeypatch.setattr("hputrain.training.telemetry.time.perf_counter", fake)
     clock = ThroughputClock(warmup_steps=2)
     for seconds in (10.0, 10.0, 1.0, 1.0, 1.0):  # two slow warm-up steps, then three fast ones
         fake.now += seconds
@@ -254,7 +254,7 @@ def test_clock_leaves_out_warmup_and_pauses(monkeypatch):
 
 def test_trainer_throughput_excludes_warmup_evaluation_and_saving(tmp_path, monkeypatch):
     fake = FakeTime()
-    monkeypatch.setattr("hputrain.telemetry.time.perf_counter", fake)
+    monkeypatch.setattr("hputrain.training.telemetry.time.perf_counter", fake)
 
     class Timed(Regression):
         calls = 0

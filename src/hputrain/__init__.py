@@ -7,8 +7,9 @@ __version__ = "0.1.0"
 
 from .accelerators import detect_accelerator
 from .callbacks import Callback, EarlyStopping
-from .precision import autocast
-from .config import AcceleratorConfig, TrainingArguments
-from .trainer import Trainer
+from .config.accelerator_config import AcceleratorConfig
+from .config.arguments import TrainingArguments
+from .execution.precision import autocast
+from .training.trainer import Trainer
 
 __all__ = ["AcceleratorConfig", "Callback", "EarlyStopping", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hputrain import Trainer, TrainingArguments
-from hputrain.data import PadToBuckets, default_collate
+from hputrain.data.batching import PadToBuckets, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.hf_fixtures
 from tests.hf_fixtures import tiny_llama_config  # noqa: E402

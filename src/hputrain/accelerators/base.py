@@ -122,12 +122,11 @@ class Accelerator(ABC):
         """Whether fp8 matrix products (E4M3 and E5M2) run here."""
         return False
 
-    def convert_to_fp8(self, module: torch.nn.Module, recipe) -> list[str]:
-        """Make the eligible Linear layers of `module` compute in fp8 (in place); return their
-        names. The default is hputrain's own layer on torch._scaled_mm (see fp8.py)."""
-        from ..fp8 import convert_to_fp8
-
-        return convert_to_fp8(module, recipe)
+    def fp8_linear(self, recipe):
+        """The device's own fp8 layer: a function making one from an nn.Linear (its weights
+        copied), or None for hputrain's layer on torch._scaled_mm (execution/fp8.py), which
+        decides which layers qualify either way."""
+        return None
 
     def fp8_context(self, recipe) -> contextlib.AbstractContextManager:
         """Entered around the forward pass with fp8 (a runtime's fp8 autocast, where it has one)."""

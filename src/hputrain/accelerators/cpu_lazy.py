@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-
 # The backend's own fallbacks that Gaudi has not, by the name of their lazy counter (`aten::NAME`),
 # with where they come from. Each is checked by a single-op test, which fails once torch fills
 # the gap, so that the entry can go.

@@ -152,10 +152,8 @@ class HPUAccelerator(Accelerator):
     def supports_fp8(self) -> bool:
         return any(key in self.device_name().upper() for key in _FP8_DEVICES)
 
-    def convert_to_fp8(self, module, recipe) -> list[str]:
-        """The eligible Linear layers (fp8.py's rule) become te.Linear layers with the same weights."""
-        from ..fp8 import fp8_layer_names, replace_layers
-
+    def fp8_linear(self, recipe):
+        """te.Linear layers with the same weights as the eligible Linear layers."""
         if recipe.scaling != "delayed":
             raise InputError("fp8_scaling='dynamic': Gaudi's Transformer Engine scales from an amax "
                              "history only; use fp8_scaling='delayed'")
@@ -169,9 +167,7 @@ class HPUAccelerator(Accelerator):
                     new.bias.copy_(layer.bias)
             return new
 
-        names = fp8_layer_names(module)
-        replace_layers(module, names, te_linear)
-        return names
+        return te_linear
 
     def fp8_context(self, recipe):
         # HYBRID: E4M3 forward, E5M2 gradients; the scale from the largest amax in the history.

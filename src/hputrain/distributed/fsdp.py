@@ -21,9 +21,10 @@ import os
 import torch
 from torch import nn
 
+from ..config.sections import ParallelismSettings
 from ..errors import InputError
-from ..execution import move_to_device
 from .blocks import block_modules
+from .placement import move_to_device
 from .strategies import Strategy
 
 
@@ -34,13 +35,13 @@ class FSDP(Strategy):
     name = "fsdp"
     shards_state = True
 
-    def __init__(self, group, args, precision=None) -> None:
+    def __init__(self, group, settings: ParallelismSettings, precision=None) -> None:
         self.group = group
-        self.block_classes = args.fsdp_block_classes
-        self.reshard_after_forward = reshard_after_forward(args)
-        self.cpu_offload = args.fsdp_cpu_offload
-        self.init_on_meta = args.fsdp_init_on_meta
-        self.seed = args.seed
+        self.block_classes = settings.fsdp_block_classes
+        self.reshard_after_forward = reshard_after_forward(settings)
+        self.cpu_offload = settings.fsdp_cpu_offload
+        self.init_on_meta = settings.fsdp_init_on_meta
+        self.seed = settings.seed
         self.compute_dtype = getattr(precision, "compute_dtype", torch.float32)
 
     def place(self, model, device):
@@ -94,20 +95,20 @@ class FSDP(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def reshard_after_forward(args) -> bool:
+def reshard_after_forward(settings) -> bool:
     """fsdp_reshard_after_forward, else what the fsdp mode says (shard_grad_op: False)."""
-    if args.fsdp_reshard_after_forward is not None:
-        return args.fsdp_reshard_after_forward
-    return args.fsdp != "shard_grad_op"
+    if settings.fsdp_reshard_after_forward is not None:
+        return settings.fsdp_reshard_after_forward
+    return settings.fsdp != "shard_grad_op"
 
 
-def dp_shard_size(args, world_size: int) -> int:
+def dp_shard_size(settings: ParallelismSettings, world_size: int) -> int:
     """The ranks that shard the model state between them: all data-parallel ranks, or with
     hybrid_shard those of one node (LOCAL_WORLD_SIZE, as the launcher sets it)."""
-    dp = world_size // args.context_parallel_size
-    if args.fsdp != "hybrid_shard":
+    dp = world_size // settings.context_parallel_size
+    if settings.fsdp != "hybrid_shard":
         return dp
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world_size // args.num_nodes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world_size // settings.num_nodes
     if per_node <= 0 or dp % per_node:
         raise InputError(f"fsdp='hybrid_shard' shards within a node of {per_node} processes, which "
                          f"does not divide the {dp} data-parallel ranks")

@@ -323,7 +323,7 @@ def current_program() -> list[str]:
 
 def cmd_launch(args) -> int:
     from ..accelerators import detect_accelerator
-    from ..defaults import load_defaults
+    from ..config.defaults import load_defaults
 
     saved = load_defaults()  # what `hputrain config` wrote, under the flags typed
     cpu = args.cpu or (saved is not None and saved.accelerator == "cpu")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from .group import ProcessGroup
+from .placement import move_to_device
 
 
 class Strategy:
@@ -26,8 +27,6 @@ class Strategy:
 
     def place(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The model on this rank's device, before `wrap`."""
-        from ..execution import move_to_device
-
         return move_to_device(model, device)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -96,37 +95,3 @@ class FastDDP(Strategy):
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-
-
-def set_layout(args, group: ProcessGroup) -> None:
-    """Before the processes join: the mesh's dimensions the strategy needs (fsdp's shards)."""
-    if args.strategy == "fsdp" and group.distributed:
-        from .fsdp import dp_shard_size
-
-        group.set_dp_shard(dp_shard_size(args, group.world_size))
-
-
-def select_strategy(args, group: ProcessGroup, accelerator=None, precision=None) -> Strategy:
-    """strategy="auto": ddp across processes, single for one. fsdp needs an accelerator that
-    runs it in its execution mode (not lazy)."""
-    name = args.strategy
-    if name == "fsdp":
-        if accelerator is not None and not accelerator.supports_fsdp():
-            raise InputError(f"strategy='fsdp' runs in eager or compile mode, not in execution_mode="
-                             f"{accelerator.execution_mode!r} on {accelerator.name}: set "
-                             "execution_mode='eager' or 'compile'")
-        from .fsdp import FSDP
-
-        return FSDP(group, args, precision)
-    if name == "auto":
-        name = "ddp" if group.distributed else "single"
-    if name == "single":
-        if group.distributed:
-            raise InputError(f"strategy 'single' runs one process, but WORLD_SIZE={group.world_size}; "
-                             "use ddp or fast_ddp")
-        return Strategy()
-    if not group.distributed:
-        return Strategy()  # ddp of one process is one process
-    if name == "ddp":
-        return DDP(args.ddp_bucket_cap_mb, args.ddp_find_unused_parameters)
-    return FastDDP(group, args.fast_ddp_bf16_gradients)

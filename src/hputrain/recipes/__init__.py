@@ -1,4 +1,4 @@
-"""`hputrain train`: without --model, the built-in recipe, a GPT on a text corpus (gpt.py); with
+"""The recipes of `hputrain train` (cli/train.py): without --model, the built-in recipe, a GPT on a text corpus (gpt.py); with
 --model DIR --dataset PATH, a local Hugging Face model fine-tuned, fully or with LoRA (hf.py).
 
 Every TrainingArguments field is a flag; `--config FILE` (JSON or TOML) may hold the same fields and
@@ -9,41 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import AcceleratorConfig, ConfigError, TrainingArguments, checked_values, read_mapping
-from ..defaults import load_defaults, training_defaults
-from ..flags import add_dataclass_flags
+from ..config.arguments import TrainingArguments
+from ..config.defaults import load_defaults, training_defaults
+from ..config.fields import ConfigError, checked_values, read_mapping
 from . import gpt, hf
 from .gpt import RECIPE_DEFAULTS, RecipeOptions
 from .hf import HFOptions
 
-__all__ = ["RECIPE_DEFAULTS", "HFOptions", "RecipeOptions", "add_train_parser", "cmd_train",
+__all__ = ["RECIPE_DEFAULTS", "HFOptions", "RecipeOptions", "chosen_recipe", "merge_settings",
            "resolve_settings"]
 
 OPTIONS = {gpt: RecipeOptions, hf: HFOptions}
 NOT_SETTINGS = ("config", "accelerator_config", "cpu", "func", "command")  # the parser's own
 
 
-def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train the built-in GPT, or fine-tune a local Hugging Face "
-                                     "model (--model DIR --dataset PATH)",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="JSON or TOML file of settings")
-    p.add_argument("--accelerator-config", "--accelerator_config", "--gaudi-config",
-                   dest="accelerator_config", help="a GaudiConfig JSON file")
-    p.add_argument("--cpu", action="store_true", help="force the CPU")
-    add_dataclass_flags(p, RecipeOptions, "the built-in GPT recipe (without --model)")
-    add_dataclass_flags(p, HFOptions, "the Hugging Face recipe (--model DIR --dataset PATH)")
-    add_dataclass_flags(p, TrainingArguments, "training arguments")
-    p.set_defaults(func=cmd_train)
-
-
-def cmd_train(args) -> int:
-    flags = vars(args)
+def chosen_recipe(flags: dict):
+    """(the recipe module, its options, TrainingArguments) for `hputrain train`'s parsed flags and
+    their --config file: the Hugging Face recipe when a model is named, else the built-in GPT."""
     file_values = read_mapping(flags["config"]) if flags.get("config") else {}
     recipe = hf if "model" in flags or "model" in file_values else gpt
-    options, training_args = merge_settings(recipe, flags, file_values)
-    config = AcceleratorConfig.from_file(args.accelerator_config) if args.accelerator_config else None
-    return recipe.run(options, training_args, config)
+    return (recipe, *merge_settings(recipe, flags, file_values))
 
 
 def resolve_settings(flags: dict) -> tuple[RecipeOptions, TrainingArguments]:

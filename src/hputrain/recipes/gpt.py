@@ -1,16 +1,11 @@
 """The built-in recipe: a GPT on a text corpus (by default the Python standard library's own
 source, found at run time, no download), on the best device present.
-
-Also the end of every recipe's run, shared with the Hugging Face recipe (hf.py): the final model
-written with `save_pretrained`'s layout, and the run's files listed.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
-from ..config import ConfigError
+from ..config.fields import ConfigError
 
 MISPLACED = "is for the built-in GPT recipe; with --model the model folder decides the model"
 """What is said of one of these options given with --model (to the Hugging Face recipe)."""
@@ -64,9 +59,10 @@ def defaults(options: RecipeOptions) -> dict:
 def run(options: RecipeOptions, training_args, accelerator_config) -> int:
     import torch
 
-    from ..data import load_corpus
+    from ..data.batching import load_corpus
     from ..models.gpt import GPT, GPTConfig
-    from ..trainer import Trainer
+    from ..training.trainer import Trainer
+    from .finish import kernels_line, report_outputs, save_final, write_recipe
 
     train_set, val_set = load_corpus(options.corpus, options.seq_len, max_bytes=options.max_corpus_bytes)
     val_set = torch.utils.data.Subset(
@@ -99,66 +95,10 @@ def run(options: RecipeOptions, training_args, accelerator_config) -> int:
     status = report_outputs(trainer, output)
     if status is not None:
         return status
-    if final is not None and hasattr(GPT, "from_pretrained"):  # export.py gives GPT one
+    if final is not None and hasattr(GPT, "from_pretrained"):  # checkpoint/export.py gives GPT one
         print(f"load it with hputrain.models.gpt.GPT.from_pretrained({str(final)!r})")
     print(f"sample:     {sample if sample is not None else _sample(model, device)!r}")
     return 0
-
-
-def kernels_line(trainer) -> str:
-    """", kernels: attention: sdpa ×2, ..." when the trainer swapped in device kernels, else ""."""
-    from ..kernels import describe
-
-    return f", kernels: {describe(trainer.kernels)}" if trainer.kernels else ""
-
-
-def save_final(trainer, output) -> Path | None:
-    """The trained model as `save_pretrained` writes it, in output_dir/final; None when the run
-    was stopped by a signal (its checkpoint is what to resume from) or the model's kind cannot
-    be exported (said on the main rank: the run and its checkpoints are fine)."""
-    if output.interrupted_by is not None:
-        return None
-    folder = Path(trainer.args.output_dir) / "final"
-    try:
-        trainer.save_model(str(folder))
-    except NotImplementedError as exc:
-        if trainer.group.is_main:
-            print(f"final model not written: {exc or 'export is not available in this build'}")
-        return None
-    return folder
-
-
-def report_outputs(trainer, output) -> int | None:
-    """Print where the run's files are (main rank); the exit status when a signal stopped it."""
-    from ..checkpoint import latest_checkpoint
-    from ..report import write_report
-
-    out = Path(trainer.args.output_dir)
-    checkpoint = latest_checkpoint(out)
-    if checkpoint is not None:  # none when save_steps is -1
-        print(f"checkpoint: {checkpoint}")
-    print(f"metrics:    {out / 'metrics.jsonl'}")
-    try:
-        for path in write_report(out):
-            print(f"plot:       {path}")
-    except ValueError as exc:  # matplotlib missing: the run itself is fine
-        print(f"no plots: {exc}")
-    if output.interrupted_by is not None:
-        print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
-        return 128 + output.interrupted_by
-    if (out / "final").is_dir():
-        print(f"final:      {out / 'final'}")
-    return None
-
-
-def write_recipe(output_dir: str, record: dict) -> None:
-    """The recipe (and model shape) beside the checkpoints, so a run can be rebuilt from them;
-    written once the run has ended (train() holds output_dir's lock while it runs)."""
-    out = Path(output_dir)
-    try:
-        (out / "recipe.json").write_text(json.dumps(record, indent=2))
-    except OSError as exc:
-        raise ConfigError(f"output_dir {out} cannot be written: {exc.strerror} ({exc.filename})") from None
 
 
 def _sample(model, device, prompt: bytes = b"def ", length: int = 120) -> str:

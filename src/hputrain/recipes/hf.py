@@ -12,7 +12,7 @@ import os
 import warnings
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config.fields import ConfigError
 from ..errors import InputError, did_you_mean
 
 MISPLACED = "needs --model DIR (a Hugging Face model folder to fine-tune)"
@@ -89,8 +89,8 @@ def defaults(options: HFOptions) -> dict:
 def run(options: HFOptions, training_args, accelerator_config) -> int:
     import torch
 
-    from ..trainer import Trainer
-    from .gpt import report_outputs, save_final, write_recipe
+    from ..training.trainer import Trainer
+    from .finish import report_outputs, save_final, write_recipe
     from .hf_data import load_blocks
 
     folder = model_folder(options.model)
@@ -232,7 +232,7 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 # -- the run header ------------------------------------------------------------------------------
 
 def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
-    from .gpt import kernels_line
+    from .finish import kernels_line
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import walk_sorted
+from ..data.batching import walk_sorted
 from ..errors import InputError
 from ..files import NotARegularFile, read_regular_file
 

@@ -1,0 +1,211 @@
+"""Save a run to `output_dir/checkpoint-STEP/` and resume it exactly.
+
+`save_checkpoint` and `load_checkpoint` drive the folder protocol (folder.py) around a state IO
+(state.py) chosen by the strategy (`state_io_for`, the one place that knows both): FullState
+(full.py: model.safetensors and optimizer.pt, written by rank 0), or ShardedState (sharded.py:
+every rank writes its shards with torch.distributed.checkpoint into sharded/) under a strategy
+whose `shards_state` is True. Loading reads the state the way the folder holds it.
+
+With several processes every rank calls `save_checkpoint(..., barrier=dist.barrier)`, which runs:
+rank 0 begin_checkpoint | barrier | every rank write_rng_state and the state IO's write (rank 0
+only for FullState), rank 0 write_common_files | barrier | rank 0 finalize and
+rotate_checkpoints | barrier.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from .checks import check_trainer_state
+from .folder import (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, SHARDED_DIR, STATE_FILE,
+                     TRAINABLE_FILE, CheckpointError, begin_checkpoint, checkpoint_dir,
+                     checkpoint_folders, finalize, load_pt, os_reason, reading, rng_file,
+                     rotate_checkpoints, temp_dir, torch_save, write_text, writing)
+from .full import FullState, write_model_config
+from .host import unwrap_model
+from .sharded import ShardedState
+from .state import StateIO
+
+
+def state_io_for(strategy) -> StateIO:
+    """The state IO of a strategy: sharded where it shards the model's state (fsdp)."""
+    return ShardedState() if getattr(strategy, "shards_state", False) else FullState()
+
+
+# -- saving ------------------------------------------------------------------------------------
+def write_rng_state(folder: str | os.PathLike, rank: int, accelerator=None) -> None:
+    """Write this process's Python, numpy, torch and device generator states to rng_state_RANK.pt.
+    numpy's key array becomes a tensor so that the file loads with weights_only=True."""
+    if not Path(folder).is_dir():  # rank 0 made it before the barrier
+        raise CheckpointError(f"{folder} is missing on rank {rank}: every rank must see the same "
+                              "output_dir (a shared filesystem across nodes)")
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    device_state = accelerator.rng_state() if accelerator is not None else None
+    torch_save({
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+        "device": device_state.cpu() if device_state is not None else None,
+    }, rng_file(folder, rank))
+
+
+def write_common_files(folder: str | os.PathLike, step: int, *, model, scheduler,
+                       state: dict) -> None:
+    """Rank 0: the model's configuration, the scheduler and the trainer state (with "step"
+    added, written last). A scheduler of None is skipped."""
+    folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
+    write_model_config(unwrap_model(model), folder)
+    if scheduler is not None:
+        torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+    write_text(folder / STATE_FILE, text)
+
+
+def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler,
+                    state: dict, accelerator, rank: int = 0, world_size: int = 1,
+                    save_total_limit: int | None = None,
+                    barrier: Callable[[], None] | None = None,
+                    state_io: StateIO | None = None,
+                    consolidate: bool = False) -> Path:
+    """Save checkpoint STEP atomically and return its folder; then keep only the newest
+    `save_total_limit` checkpoints. With world_size > 1 every rank calls this with `barrier`.
+    `state_io` (default FullState) writes the model and optimizer state; `consolidate` also
+    writes the whole model as MODEL_FILE where the state IO shards it (the end of training)."""
+    state_io = state_io or FullState()
+    if save_total_limit is not None and save_total_limit < 1:
+        raise InputError(f"save_total_limit must be at least 1, got {save_total_limit}.")
+    if world_size > 1 and barrier is None:
+        raise ValueError("save_checkpoint with world_size > 1 needs barrier= (all ranks call it).")
+    wait = barrier if world_size > 1 else (lambda: None)
+    tmp, final = temp_dir(output_dir, step), checkpoint_dir(output_dir, step)
+    try:
+        if rank == 0:
+            begin_checkpoint(output_dir, step)
+        wait()
+        try:
+            write_rng_state(tmp, rank, accelerator)
+            json.dumps(state)  # fail before writing anything
+            state_io.write(tmp, model=unwrap_model(model), optimizer=optimizer, rank=rank)
+            if consolidate:
+                with writing(tmp / MODEL_FILE):
+                    state_io.consolidate(tmp / MODEL_FILE, model=unwrap_model(model), rank=rank)
+            if rank == 0:
+                write_common_files(tmp, step, model=model, scheduler=scheduler, state=state)
+            wait()
+            if rank == 0:
+                finalize(tmp, final)
+        except BaseException:
+            if world_size == 1:  # with several ranks, the next begin_checkpoint clears it
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if rank == 0:
+            rotate_checkpoints(output_dir, save_total_limit, keep=final)
+    except OSError as exc:  # a full disk, a read-only or vanished folder: the earlier ones stay
+        raise CheckpointError(f"Cannot save checkpoint {final}: {os_reason(exc)}.") from exc
+    wait()
+    return final
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _check_folder(folder: Path) -> None:
+    if not folder.exists():
+        raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
+    if not folder.is_dir():
+        raise CheckpointError(f"Checkpoint path {folder} is not a folder.")
+    weights = TRAINABLE_FILE if (folder / TRAINABLE_FILE).exists() else MODEL_FILE
+    names = (STATE_FILE,) if (folder / SHARDED_DIR).is_dir() else (STATE_FILE, weights)
+    for name in names:
+        path = folder / name
+        if path.exists() and not path.is_file():  # a FIFO or a folder: never opened
+            raise CheckpointError(f"{path} is not a regular file.")
+        if not path.is_file():
+            raise CheckpointError(f"{folder} is not a complete checkpoint folder: {name} is missing.")
+
+
+def _read_state(file: Path) -> dict:
+    with reading(file):
+        state = json.loads(file.read_text(encoding="utf-8"))
+        check_trainer_state(state, file.parent)
+        return state
+
+
+def _restore_rng(file: Path, accelerator) -> None:
+    """Put back the four generators saved by `write_rng_state`."""
+    with reading(file):
+        saved = load_pt(file)
+        version, internal, gauss_next = saved["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        n = saved["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached_gaussian"]))
+        torch.set_rng_state(saved["torch"])
+        if accelerator is not None and saved["device"] is not None:
+            accelerator.set_rng_state(saved["device"])
+
+
+def _reader_for(folder: Path, state_io: StateIO | None) -> StateIO:
+    """How the folder's state is read: its shards when it has them (DCP loads them on any number
+    of processes, into sharded or plain models alike), else its full files. A strategy that
+    shards (`state_io` sharded) cannot read full files into its shards."""
+    if (folder / SHARDED_DIR).is_dir():  # ShardedState.load says what of it is missing
+        return ShardedState()
+    if state_io is not None and state_io.shards:
+        raise CheckpointError(f"{folder} holds full state ({MODEL_FILE}, {OPTIMIZER_FILE}), not "
+                              "the shards a sharded strategy resumes from: resume it with "
+                              "strategy ddp or single.")
+    return FullState()
+
+
+def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler=None,
+                    accelerator=None, rank: int = 0, restore_rng: bool = True,
+                    state_io: StateIO | None = None) -> dict:
+    """Load a checkpoint folder into `model` (strict) and the optional optimizer and scheduler,
+    restore rank `rank`'s generators, and return the trainer state. Raises CheckpointError.
+    With several processes every rank calls it (a sharded folder loads collectively). A sharded
+    checkpoint of fewer processes has no generator file for the ranks beyond its own: those
+    keep their seeded generators."""
+    folder = Path(path)
+    _check_folder(folder)
+    state = _read_state(folder / STATE_FILE)
+    reader = _reader_for(folder, state_io)
+    reader.load(folder, model=unwrap_model(model), optimizer=optimizer, rank=rank)
+    if scheduler is not None:
+        with reading(folder / SCHEDULER_FILE):
+            scheduler.load_state_dict(load_pt(folder / SCHEDULER_FILE))
+    resharded = reader.shards and rank >= state.get("world_size", 1)
+    if restore_rng and not resharded:
+        _restore_rng(rng_file(folder, rank), accelerator)
+    return state
+
+
+# -- finding a checkpoint ------------------------------------------------------------------------
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint-N folder with the largest N, or None: one with its trainer state
+    and the state of either state IO."""
+    complete = [path for path in checkpoint_folders(output_dir) if (path / STATE_FILE).is_file()
+                and (FullState.found_in(path) or ShardedState.found_in(path))]
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(output_dir: str | os.PathLike, spec: str) -> Path:
+    """"latest" means the newest checkpoint in `output_dir`; anything else is a folder path,
+    tried as given and then inside `output_dir` (so "checkpoint-500" works)."""
+    if spec == "latest":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise CheckpointError(f"There is no checkpoint in {output_dir} to resume from.")
+        return found
+    path = Path(spec).expanduser()
+    if not path.exists() and not path.is_absolute() and (Path(output_dir) / path).exists():
+        path = Path(output_dir) / path
+    if not path.exists():
+        raise CheckpointError(f"Checkpoint folder {path} does not exist.")
+    return path

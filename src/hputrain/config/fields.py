@@ -1,0 +1,143 @@
+"""What every settings dataclass of hputrain shares: the error type, reading JSON and TOML files,
+checking values read from files against a field's type, the docstring under each field (for flags
+and help), and one-line checks."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+
+from ..errors import InputError, did_you_mean
+from .vocabulary import FOREIGN_NAMES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(InputError):
+    """A configuration value, key or file is wrong; the message says which and why."""
+
+
+# -- helpers shared by both dataclasses ------------------------------------------------------------
+
+def unknown_key(key: str, valid: typing.Iterable[str], where: str,
+                foreign: dict[str, str] | None = None, kind: str = "key") -> ConfigError:
+    """The error for a key that is not a field; `foreign` maps another project's names to what
+    to use instead (see vocabulary.py)."""
+    if foreign and key in foreign:
+        return ConfigError(f"{where}: {key} {foreign[key]}")
+    return ConfigError(f"unknown {kind} {key!r} in {where}{did_you_mean(key, valid)}")
+
+
+def _hint(annotation):
+    """A field's annotation as a type (dataclass annotations are strings here)."""
+    return eval(annotation, vars(sys.modules[__name__])) if isinstance(annotation, str) else annotation
+
+
+def base_type(annotation) -> tuple[type, bool]:
+    """(the plain type, whether None is allowed) of a field's annotation."""
+    hint = _hint(annotation)
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return (typing.get_origin(rest[0]) or rest[0]), len(rest) < len(args)
+    return (typing.get_origin(hint) or hint), False
+
+
+def _coerce(cls, name: str, value, where: str):
+    """Check one value read from a file against the field's type."""
+    kind, optional = base_type(cls.__dataclass_fields__[name].type)
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and str in typing.get_args(_hint(cls.__dataclass_fields__[name].type)):
+        return value  # a field such as report_to takes one name or a list of them
+    raise ConfigError(f"{name} in {where} must be {kind.__name__}"
+                      f"{' or null' if optional else ''}, got {value!r}")
+
+
+def read_mapping(path: str | Path) -> dict:
+    """A JSON or TOML file's top-level table, or a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r})") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: "
+                          f"{exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold an object of settings")
+    return data
+
+
+def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
+    """`data` with every key a field of `cls` and every value of the field's type."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key in ignore:
+            continue
+        if key not in names:
+            raise unknown_key(key, names, where, FOREIGN_NAMES.get(cls.__name__))
+        values[key] = _coerce(cls, key, value, where)
+    return values
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def check_finite(config) -> None:
+    """Every float field of a dataclass holds a finite number (inf and nan parse as floats)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        check(not isinstance(value, float) or math.isfinite(value),
+              f"{f.name} must be a finite number, got {value}")
+
+
+def check_choice(name: str, value, choices, foreign: dict[str, str] | None = None) -> None:
+    """`value` is one of `choices`; `foreign` maps other projects' values to what to use instead."""
+    if foreign and value in foreign:
+        raise ConfigError(f"{name}={value!r} {foreign[value]}")
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}"
+                          f"{did_you_mean(value, choices, cutoff=0.6)}")

@@ -1,0 +1,62 @@
+"""The end of every recipe's run (gpt.py, hf.py): the final model written with save_pretrained's
+layout, the recipe beside the checkpoints, the run's files listed and plotted."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoint.saving import latest_checkpoint
+from ..config.fields import ConfigError
+from ..execution.kernels import describe
+from ..training.report import write_report
+
+
+def kernels_line(trainer) -> str:
+    """", kernels: attention: sdpa ×2, ..." when the trainer swapped in device kernels, else ""."""
+    return f", kernels: {describe(trainer.kernels)}" if trainer.kernels else ""
+
+
+def save_final(trainer, output) -> Path | None:
+    """The trained model as `save_pretrained` writes it, in output_dir/final; None when the run
+    was stopped by a signal (its checkpoint is what to resume from) or the model's kind cannot
+    be exported (said on the main rank: the run and its checkpoints are fine)."""
+    if output.interrupted_by is not None:
+        return None
+    folder = Path(trainer.args.output_dir) / "final"
+    try:
+        trainer.save_model(str(folder))
+    except NotImplementedError as exc:
+        if trainer.group.is_main:
+            print(f"final model not written: {exc or 'export is not available in this build'}")
+        return None
+    return folder
+
+
+def report_outputs(trainer, output) -> int | None:
+    """Print where the run's files are (main rank); the exit status when a signal stopped it."""
+    out = Path(trainer.args.output_dir)
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:  # none when save_steps is -1
+        print(f"checkpoint: {checkpoint}")
+    print(f"metrics:    {out / 'metrics.jsonl'}")
+    try:
+        for path in write_report(out):
+            print(f"plot:       {path}")
+    except ValueError as exc:  # matplotlib missing: the run itself is fine
+        print(f"no plots: {exc}")
+    if output.interrupted_by is not None:
+        print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
+        return 128 + output.interrupted_by
+    if (out / "final").is_dir():
+        print(f"final:      {out / 'final'}")
+    return None
+
+
+def write_recipe(output_dir: str, record: dict) -> None:
+    """The recipe (and model shape) beside the checkpoints, so a run can be rebuilt from them;
+    written once the run has ended (train() holds output_dir's lock while it runs)."""
+    out = Path(output_dir)
+    try:
+        (out / "recipe.json").write_text(json.dumps(record, indent=2))
+    except OSError as exc:
+        raise ConfigError(f"output_dir {out} cannot be written: {exc.strerror} ({exc.filename})") from None

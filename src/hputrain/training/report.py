@@ -1,0 +1,161 @@
+"""`hputrain report RUN_DIR`: PNG plots of loss, throughput and memory from RUN_DIR/metrics.jsonl.
+
+matplotlib is imported only when a plot is drawn (it is the optional `hputrain[plot]` extra), and
+through `matplotlib.figure.Figure` rather than pyplot: a bare Figure renders with Agg, is never
+registered with pyplot, and so needs no global backend switch and leaves nothing open to close.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..callbacks.writers import METRICS_FILE
+from ..errors import InputError
+
+# Which kind of record a line is, told by a key only that kind carries.
+_KIND_KEYS = (("loss", "train"), ("eval_loss", "eval"), ("train_runtime", "summary"))
+
+# Series name -> (record kind, key). The series name is the key, except where kinds share one.
+_SERIES = {
+    "loss": ("train", "loss"),
+    "eval_loss": ("eval", "eval_loss"),
+    "tokens_per_second": ("train", "tokens_per_second"),
+    "memory_allocated_gb": ("train", "memory_allocated_gb"),
+    "max_memory_allocated_gb": ("train", "max_memory_allocated_gb"),
+    "total_memory_available_gb": ("train", "total_memory_available_gb"),
+}
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file, in file order; blank lines are skipped, and so is an
+    unfinished last line (no newline, not valid JSON: a run killed while writing it)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file (is this a run directory?)") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from None
+    lines = text.split("\n")  # the last item is "" after a final newline, else an unfinished line
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                continue
+            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def _kind(record: dict) -> str | None:
+    return next((kind for key, kind in _KIND_KEYS if key in record), None)
+
+
+def series(records: list[dict]) -> dict[str, tuple[list, list]]:
+    """Name -> (steps, values), sorted by step, for every series with at least one value.
+
+    A resumed run appends records after its restart, so a step can appear more than once: the last
+    record of a kind for a step wins. Null, missing and non-numeric values are dropped (throughput
+    is null during warm-up), so a series lists only the points that can be drawn."""
+    latest: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
+    for record in records:
+        kind = _kind(record)
+        if kind in latest and isinstance(record.get("step"), int):
+            latest[kind][record["step"]] = record
+    out = {}
+    for name, (kind, key) in _SERIES.items():
+        points = [(step, record[key]) for step, record in sorted(latest[kind].items())
+                  if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)]
+        if points:
+            steps, values = zip(*points)
+            out[name] = (list(steps), list(values))
+    return out
+
+
+def _figure(title: str, ylabel: str):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _plot_loss(data: dict, title: str):
+    fig, ax = _figure(f"{title}: loss", "loss")
+    if "loss" in data:
+        ax.plot(*data["loss"], label="train loss", linewidth=1)
+    if "eval_loss" in data:
+        ax.plot(*data["eval_loss"], "o-", label="eval loss", markersize=4)
+    values = [v for name in ("loss", "eval_loss") for v in data.get(name, ((), ()))[1]]
+    if all(v > 0 for v in values if math.isfinite(v)):
+        from matplotlib.ticker import FuncFormatter, LogFormatter
+
+        ax.set_yscale("log")  # plain numbers ("3", "0.1"), not the default "3x10^0"
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    ax.legend()
+    return fig
+
+
+def _plot_throughput(data: dict, title: str):
+    fig, ax = _figure(f"{title}: throughput", "tokens / s")
+    ax.plot(*data["tokens_per_second"], linewidth=1)
+    ax.set_ylim(bottom=0)
+    return fig
+
+
+def _plot_memory(data: dict, title: str):
+    fig, ax = _figure(f"{title}: device memory", "GB")
+    for name, label in (("memory_allocated_gb", "allocated"),
+                        ("max_memory_allocated_gb", "max allocated")):
+        if name in data:
+            ax.plot(*data[name], label=label, linewidth=1)
+    if "total_memory_available_gb" in data:
+        total = data["total_memory_available_gb"][1][-1]
+        ax.axhline(total, linestyle="--", color="gray", label=f"total ({total:g} GB)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return fig
+
+
+# File name -> (series that must have data for the plot to be drawn, drawing function).
+_PLOTS = (
+    ("loss.png", ("loss", "eval_loss"), _plot_loss),
+    ("throughput.png", ("tokens_per_second",), _plot_throughput),
+    ("memory.png", ("memory_allocated_gb", "max_memory_allocated_gb"), _plot_memory),
+)
+
+
+def write_report(run_dir: str | Path) -> list[Path]:
+    """Write loss.png, throughput.png and memory.png into run_dir from its metrics.jsonl; a plot
+    with no data is skipped. Returns the paths written."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: no such run directory")
+    data = series(read_metrics(run_dir / METRICS_FILE))
+    try:
+        import matplotlib  # noqa: F401  (only to fail early with a clear message)
+    except ImportError:
+        raise InputError("plots need matplotlib: pip install matplotlib "
+                         "(or pip install 'hputrain[plot]')") from None
+    title = run_dir.resolve().name
+    written = []
+    for filename, needs, draw in _PLOTS:
+        if any(name in data for name in needs):
+            path = run_dir / filename
+            draw(data, title).savefig(path)
+            written.append(path)
+    return written

@@ -1,0 +1,638 @@
+"""The training loop, readable top to bottom.
+
+`Trainer.train` is forward, backward, clip, step, log, in that order. Three things are visible
+where they happen: the lazy-mode `mark_step()` calls, the gradient-accumulation sync, and the
+throughput clock. The step reads nothing back to the host except at logging steps. Callbacks
+(callbacks/) are called where the hooks' names say; what is written (metrics.jsonl, the
+progress bar, TensorBoard) is written by callbacks. Evaluation and prediction: evaluation.py (an Evaluator);
+when to log, evaluate and save, and the best checkpoint: intervals.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import random
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..accelerators import detect_accelerator
+from ..callbacks import Callback, for_every_trainer, reporting_callbacks, show_message
+from ..checkpoint import export
+from ..checkpoint import saving as checkpoint
+from ..checkpoint.folder import checkpoint_dir, lock_output_dir, rotate_checkpoints
+from ..config.accelerator_config import AcceleratorConfig
+from ..config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
+from ..config.sections import Sections
+from ..data.batching import (LABEL_NAMES, DropUnusedColumns, LoaderOptions, MicroBatches,
+                             default_collator_for, host_can_pin, model_input_names, to_device)
+from ..distributed import ProcessGroup, select_strategy
+from ..distributed.activation_checkpointing import apply_activation_checkpointing
+from ..distributed.context_parallel import ContextParallel, NoContextParallel
+from ..distributed.launch import needs_launch, relaunch_current_program
+from ..distributed.placement import move_to_device
+from ..distributed.selection import set_layout
+from ..errors import InputError
+from ..execution import kernels
+from ..execution import modes as execution
+from ..execution.precision import select_precision
+from . import evaluation
+from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
+from .intervals import BestCheckpoint, Intervals
+from .loss import TokenCount, batch_size
+from .optim import create_optimizer, create_scheduler
+from .telemetry import ThroughputClock, job_peak_flops
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    training_loss: float | None
+    metrics: dict = field(default_factory=dict)
+    interrupted_by: int | None = None  # the signal the ranks agreed to stop early for, if any
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
+                 train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
+                 accelerator_config: AcceleratorConfig | None = None, accelerator=None,
+                 compute_metrics=None, callbacks=None, processing_class=None,
+                 **unsupported) -> None:
+        check_trainer_kwargs(unsupported, _KEYWORDS)  # Hugging Face's names: one line on what to use
+        # those added to every trainer (callbacks.added_to_every_trainer), then the caller's
+        self.callbacks: list[Callback] = [*for_every_trainer(), *(callbacks or [])]
+        args = as_training_arguments(args)
+        for callback in self.callbacks:  # the doctor rehearses a script's trainers lazily, elsewhere
+            if (folder := callback.rehearsal_dir()) is not None:
+                args = args.for_rehearsal(folder)
+        self.args = args
+        self.settings = Sections.of(args)  # each subsystem's own part of args, cut once
+        if needs_launch(self.args.devices, self.args.num_nodes):
+            # Lightning's way: run this program again, one process per device, and end here.
+            sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
+        self.config = accelerator_config or AcceleratorConfig()
+        op_lists = (self.config.autocast_bf16_ops, self.config.autocast_fp32_ops)
+        self.accelerator = accelerator or detect_accelerator(
+            self.args.accelerator, self.args.execution_mode,
+            op_lists if self.config.mixed_precision else None, self.args.minimize_memory)
+        if self.args.minimize_memory:  # also on an accelerator passed in: Gaudi's runtime reads it
+            self.accelerator.fp8_minimize_memory = True  # at import, and setup() checks it
+        self.group = ProcessGroup.from_env(self.args.ddp_backend or self.accelerator.dist_backend)
+        self.group.set_context_parallel(self.args.context_parallel_size)
+        set_layout(self.settings.parallelism, self.group)  # fsdp's shard dimension, before the processes join
+        self.device = self.accelerator.setup(self.group.local_rank)
+        self.group.init(self.args.ddp_timeout, self.device.type)
+        self.precision = select_precision(self.settings.precision, self.config, self.accelerator)
+        if self.precision.notice and self.group.is_main:  # bf16 asked for where it is emulated
+            print(f"hputrain: {self.precision.notice}", file=sys.stderr)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.collate = data_collator or default_collator_for(model, self.settings.data)  # length buckets
+        self.compute_loss = compute_loss
+        self.compute_metrics = compute_metrics  # eval_pred -> dict, for evaluate() (evaluation.py)
+        if self.group.is_main:  # metrics.jsonl, the bar, the trackers: written by rank 0 only
+            self.callbacks += reporting_callbacks(self.settings.reporting)
+        self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
+        self.strategy = select_strategy(self.settings.parallelism, self.group, self.accelerator,
+                                        self.precision)
+        # the device's attention and RMSNorm kernels in a Hugging Face model (execution/kernels.py)
+        if self.args.attention_recompute is not None:
+            self.accelerator.attention_recompute = self.args.attention_recompute
+        self.kernels = kernels.substitute(model, self.accelerator, self.args.fused_kernels)
+        # on the device, except a meta-device model, which fsdp shards before it materialises it
+        self.model = self.strategy.place(self.precision.convert_module(model), self.device)
+        apply_activation_checkpointing(self.model, self.settings.activation_checkpointing)  # before the strategy wraps it
+        self.inputs = model_input_names(model)
+        self.count_tokens = TokenCount(model)
+        self.context_parallel = self._context_parallel()
+        self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts; fsdp shards
+        if self.args.use_graphs_for_training:
+            self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
+        elif self.accelerator.execution_mode == "compile":
+            self.wrapped = execution.compile_model(self.wrapped, self.settings.execution, self.accelerator)
+        self.optimizer = self.scheduler = None
+        self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
+        self._step_tokens = 0  # counted tokens of the current step's global batch (see loss.py)
+        self._graphed = None  # the captured inference module, built on first use
+        self.global_step = self.total_steps = 0
+        self.should_stop = False  # set by a callback to end training after the current step
+        self.step_inputs = None  # the current step's last micro-batch, for callbacks
+        # Stopping (see _agree): what this process was asked, and what every rank agreed to do.
+        self._signal_received: int | None = None  # SIGINT / SIGTERM caught here, maybe not yet agreed
+        self._stop_signal: int | None = None  # the signal the ranks agreed to stop for
+        self._stopping = False  # the ranks agreed to stop after the current step
+        self.best = BestCheckpoint(self.settings.schedule, {})
+
+    # -- the training loop ---------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
+        # One run per output_dir: rank 0 holds its lock for the run (the kernel drops it on any
+        # exit) and clears what a killed save left; the others resolve "latest" after that.
+        lock = lock_output_dir(self.args.output_dir) if self.group.is_main else None
+        self.should_stop, self._stopping, self._stop_signal = False, False, None
+        previous_handlers = {}
+        try:
+            self.group.barrier()
+            previous_handlers = self._catch_stop_signals()  # after the barrier: see there
+            with self._model_on_device():
+                return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+            if lock is not None:
+                lock.release()
+
+    def _train(self, resume_from_checkpoint: str | None) -> TrainOutput:
+        args, settings, accelerator = self.args, self.settings, self.accelerator
+        _seed_everything(args.seed)
+        batches = self.train_batches()
+        total_steps = self.total_steps = self._total_steps(batches)
+        intervals = Intervals(settings.schedule, batches.steps_per_epoch, total_steps)
+        intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
+        self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
+        self.scheduler = create_scheduler(self.optimizer, settings.optimizer, total_steps)
+        state = self._resume(resume_from_checkpoint)
+        self.global_step = state.get("step", 0)
+        self.best = BestCheckpoint(settings.schedule, state)
+        clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
+        watch = execution.step_watch(settings.execution, accelerator)  # graph compiles in lazy mode
+        micro_batches = batches.iterate(self.global_step)
+        accumulate = args.gradient_accumulation_steps
+        logged_loss = self._device_zero()  # summed on device between logs
+        steps_since_log, grad_norm, last_loss = 0, None, None
+        params = list(self.model.parameters())  # once: walking the modules every step costs ~0.25 ms
+        self.model.train()
+        finished = False
+        try:
+            self._call("on_train_begin")
+            for line in self._resume_differences(state, batches):
+                self.log_message(line)
+            while self.global_step < total_steps:
+                step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
+                counts = [self.count_tokens(batch) for batch in step_batches]
+                # Every rank leaves the loop here, at the same step: a signal or a callback's
+                # should_stop on any rank, noted since the previous agreement, stops them all.
+                if self._agree_to_stop(counts):
+                    break
+                watch.step_begin(self.global_step + 1)
+                self._call("on_step_begin")
+                samples = 0
+                for micro, (batch, count) in enumerate(zip(step_batches, counts)):
+                    batch = to_device(batch, self.device, args.non_blocking_data_copy)
+                    samples += batch_size(batch)
+                    # Gradients are all-reduced only on the last micro-batch of the step.
+                    with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
+                        with self._forward_context():
+                            loss = self._micro_batch_loss(batch, count)
+                        if args.pipelining_fwd_bwd:
+                            accelerator.mark_step()  # run the forward graph while building backward
+                        loss.backward()
+                    accelerator.mark_step()
+                    logged_loss += loss.detach()
+                self.strategy.reduce_gradients(self.model)  # fast_ddp: one flat all-reduce
+                if args.max_grad_norm > 0:
+                    grad_norm = self.strategy.clip_grad_norm(accelerator, params, args.max_grad_norm,
+                                                             fused=self.config.use_fused_clip_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                accelerator.mark_step()
+                self.global_step += 1
+                watch.step_end(self.global_step, batch)
+                self.step_inputs = batch
+                self._call("on_step_end")
+                steps_since_log += 1
+                # samples are shared by a context-parallel group; tokens are counted globally
+                clock.step_done(samples * self.group.dp_size, self._step_tokens)
+
+                if intervals.logs(self.global_step):
+                    clock.pause()  # the read-back below is the only host sync of the loop
+                    last_loss = self._log(clock, batches, logged_loss, steps_since_log, grad_norm)
+                    logged_loss, steps_since_log = self._device_zero(), 0
+                    clock.resume()
+                if intervals.evaluates(self.global_step) and self.eval_dataset is not None:
+                    clock.pause()
+                    self._evaluate_during_training()
+                    clock.resume()
+                if intervals.saves(self.global_step):
+                    clock.pause()
+                    self._agree_before_save(logged_loss, steps_since_log)  # finite? the last save?
+                    self._save(batches)
+                    clock.resume()
+            summary = self._finish(intervals, clock, batches, watch, logged_loss, steps_since_log)
+            finished = True
+        finally:
+            self.step_inputs = None
+            self._end_callbacks(finished)
+        return TrainOutput(self.global_step, last_loss, summary, self._stop_signal)
+
+    def _finish(self, intervals: Intervals, clock: ThroughputClock, batches: MicroBatches,
+                watch: execution.StepWatch, logged_loss: torch.Tensor, steps_since_log: int) -> dict:
+        """After the last step (or a stop): evaluate and save unless the step just did, load the
+        best checkpoint's weights (load_best_model_at_end), then write the summary record. Each
+        branch follows what every rank agreed (_stop_signal), never this rank's own flags: the
+        evaluation and the save are collectives."""
+        step = self.global_step
+        if self._stop_signal is not None:
+            saves = intervals.saves_at_all
+            self.log_message(f"signal {self._stop_signal} received: "
+                             + (f"saving a checkpoint at step {step}" if saves else f"stopping at step {step}"))
+        elif self.eval_dataset is not None and not intervals.evaluates(step):
+            self._evaluate_during_training()
+        if intervals.saves_at_all and not intervals.saves(step):
+            self._agree_before_save(logged_loss, steps_since_log)
+            self._save(batches)
+        if self.best.folder is not None and self._stop_signal is None:
+            self._load_best()
+        summary = {"step": step, **clock.summary(self._flops_per_token(), *self._peak_flops()),
+                   **watch.summary()}
+        if fallbacks := self.kernels.get(kernels.FALLBACK):  # calls a fused kernel could not take
+            summary["attention_fallback_calls"] = fallbacks
+        self._call("on_log", summary)
+        return summary
+
+    def _end_callbacks(self, finished: bool) -> None:
+        """on_train_end, also after an error (callbacks close their files and runs); then an
+        error of a callback does not hide the one that ended training."""
+        if finished:
+            self._call("on_train_end")
+            return
+        with contextlib.suppress(Exception):
+            self._call("on_train_end")
+
+    # -- callbacks -----------------------------------------------------------------------------
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def add_callback(self, callback: Callback | type) -> None:
+        """Append a callback (an instance, or a class to make one of), as the Hugging Face
+        Trainer's add_callback."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def pop_callback(self, callback: Callback | type) -> Callback | None:
+        """Remove and return the callback (that instance, or the first of that class), or None."""
+        for found in self.callbacks:
+            if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
+                self.callbacks.remove(found)
+                return found
+        return None
+
+    def remove_callback(self, callback: Callback | type) -> None:
+        self.pop_callback(callback)
+
+    def log_message(self, text: str) -> None:
+        """A line for the user on rank 0 (resume notes, signals, early stopping): above the
+        progress bar when there is one, else on stdout."""
+        if self.group.is_main:
+            show_message(self.callbacks, text)
+
+    def _loss(self, batch, module=None, **loss_kwargs) -> torch.Tensor:
+        module = self.wrapped if module is None else module
+        if self.compute_loss is not None:
+            return self.compute_loss(module, batch)
+        return loss_of(self._forward(batch, module, **loss_kwargs))
+
+    def _micro_batch_loss(self, batch, count: int) -> torch.Tensor:
+        """This micro-batch's part of the step's loss (see loss.py): its share of the mean over
+        the global batch's `_step_tokens` counted tokens, times the number of ranks, because the
+        strategy averages gradients over ranks where the loss wants their sum."""
+        total, ranks = max(self._step_tokens, 1), self.group.world_size
+        takes_count = (self.count_tokens.takes_item_count and self.compute_loss is None
+                       and isinstance(batch, dict) and "labels" in batch)
+        if takes_count:  # the model divides its summed loss by the global count itself
+            loss = self._loss(batch, num_items_in_batch=self._on_device_scalar(total, torch.int64))
+            return loss * ranks if ranks > 1 else loss  # a constant of the run: no new graph
+        # a mean over the micro-batch's own tokens, weighted by their share (changes every step)
+        return self._loss(batch) * self._on_device_scalar(count * ranks / total)
+
+    def _agree_to_stop(self, counts: list[int]) -> bool:
+        """Before each step, one small host all-reduce (no device sync) that every rank reaches:
+        the global batch's counted tokens, and whether the ranks stop before this step (_agree).
+        A stop then ends the same step on every rank, which save one checkpoint together."""
+        (tokens,) = self._agree([sum(counts)])
+        self._step_tokens = int(tokens)
+        return self._stopping
+
+    def _agree(self, values: list[float]) -> list[float]:
+        """`values` summed over the ranks, in one host all-reduce that also carries each rank's
+        stop requests: a signal it caught, a callback's should_stop. Whatever a rank does about
+        stopping follows from the result alone, the same on every rank (_stopping, _stop_signal,
+        should_stop), never from its own flags: a signal that lands after this rank read its
+        flag (during the all-reduce, or anywhere later in the step) is counted by the next
+        agreement, on every rank alike."""
+        received = self._signal_received  # read once: what the all-reduce carries is what counts
+        *sums, interrupts, terminates, callback_stops = self.group.host_sum(
+            [*values, received == signal.SIGINT, received not in (None, signal.SIGINT), self.should_stop])
+        if interrupts or terminates:  # SIGTERM wins where ranks caught different signals
+            self._stop_signal = signal.SIGTERM if terminates else signal.SIGINT
+        self.should_stop = bool(callback_stops)  # a callback on one rank stops them all
+        self._stopping = self._stop_signal is not None or self.should_stop
+        return sums
+
+    def _on_host(self, batch):
+        """This rank's slice of each sequence under context parallelism, still on the host, where
+        its tokens are counted before it is copied over. A Hugging Face collator's BatchEncoding
+        becomes a plain dict."""
+        return self.context_parallel.shard(dict(batch) if isinstance(batch, Mapping) else batch)
+
+    @property
+    def _collate(self) -> DropUnusedColumns:
+        """The collator on samples without the columns the model does not take (a text column
+        above all): the Hugging Face Trainer's remove_unused_columns. A data.py object, not a
+        method of the Trainer, so that data workers started by spawn pickle the collator alone."""
+        dropping = self.inputs is not None and self.args.remove_unused_columns
+        return DropUnusedColumns(self.collate, self.inputs | LABEL_NAMES if dropping else None)
+
+    def _on_device_scalar(self, value: float, dtype=torch.float32) -> torch.Tensor:
+        """A number the step uses, made on the host and copied over: in lazy mode it is graph
+        input data, so a value that changes every step compiles nothing new. Copied as one
+        element and viewed as a scalar: the CPU lazy backend looks 0-d inputs up by value, and
+        one that happened to equal another scalar of the graph would change its hash."""
+        return torch.tensor([value], dtype=dtype).to(self.device).view(())
+
+    @contextlib.contextmanager
+    def _forward_context(self):
+        """What the forward pass runs under: the device's needs, context-parallel attention,
+        and the precision's autocast."""
+        with (self.accelerator.forward_context(), self.context_parallel.forward_context(),
+              self.precision.forward_context()):
+            yield
+
+    def _context_parallel(self):
+        if self.group.cp_size == 1:
+            return NoContextParallel()
+        if self.inputs is not None and "position_ids" not in self.inputs:
+            raise InputError("context parallelism needs a model whose forward takes position_ids "
+                             "(each rank holds a slice of the sequence at an offset)")
+        return ContextParallel(self.group.cp_group, self.group.cp_rank, self.group.cp_size)
+
+    def _device_zero(self) -> torch.Tensor:
+        """A zero made on the host and copied over: in lazy mode a copy is graph input data, where
+        `zero_()` would be one more op in the next step's graph."""
+        return torch.zeros(()).to(self.device)
+
+    def _forward(self, batch, module=None, **loss_kwargs):
+        """Call the model (or `module`) on a batch: a dict by keyword (only the keys its forward
+        accepts), with `loss_kwargs` (num_items_in_batch) for a model that takes them."""
+        module = self.wrapped if module is None else module
+        if isinstance(batch, dict):
+            inputs = self.inputs
+            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
+                          **loss_kwargs)
+        if isinstance(batch, (list, tuple)):
+            return module(*batch)
+        return module(batch)
+
+    def _inference_module(self):
+        """The module evaluate and predict call: captured graphs with use_graphs_for_inference."""
+        if not self.args.use_graphs_for_inference:
+            return self.wrapped
+        if self._graphed is None:
+            from ..execution.inference import wrap_for_inference
+
+            self._graphed = wrap_for_inference(self.model, self.accelerator)
+        return self._graphed
+
+    def _log(self, clock, batches, logged_loss, steps, grad_norm) -> float:
+        """One logging record; the host reads the loss and grad norm back only here. Nothing here
+        adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
+        loss = self.group.all_reduce_mean(logged_loss).item() / steps
+        self._stop_if_diverged(loss, steps)
+        record = {
+            "step": self.global_step,
+            "epoch": round(batches.epoch_of(self.global_step), 4),
+            "loss": loss,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm.item() if grad_norm is not None else None,
+            "tokens_per_second": clock.interval_rate(),
+            **self.accelerator.memory_stats(),
+        }
+        self._call("on_log", record)
+        return record["loss"]
+
+    def _agree_before_save(self, logged_loss: torch.Tensor, steps: int) -> None:
+        """Before a save, one more agreement (_agree): the loss summed since the last log must be
+        finite on every rank (never save diverged weights), and whether the run stops at this
+        step, which makes this save its last (_save)."""
+        (loss,) = self._agree([logged_loss.item() if steps else 0.0])
+        if steps:
+            self._stop_if_diverged(loss, steps)
+
+    def _stop_if_diverged(self, loss: float, steps: int) -> None:
+        """A loss that is no longer finite ends training at once, saving nothing new (the last
+        checkpoint holds the last finite weights)."""
+        if not math.isfinite(loss):
+            first = self.global_step - steps + 1
+            where = f"at step {first}" if steps == 1 else f"between steps {first} and {self.global_step}"
+            raise InputError(f"the training loss became {loss} {where} (learning_rate "
+                             f"{self.args.learning_rate:g}): stopped without saving; lower the "
+                             "learning rate or resume from the last checkpoint")
+
+    # -- evaluation and prediction -------------------------------------------------------------
+    def evaluate(self, eval_dataset=None) -> dict:
+        """Mean loss over the evaluation set (every rank takes its share), its perplexity, and
+        compute_metrics' results prefixed "eval_" (evaluation.py)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise InputError("evaluate() needs an eval_dataset")
+        return evaluation.evaluate(self._evaluator(), dataset)
+
+    def predict(self, test_dataset) -> PredictionOutput:
+        """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist
+        (evaluation.py)."""
+        return evaluation.predict(self._evaluator(), test_dataset)
+
+    def _evaluator(self) -> evaluation.Evaluator:
+        """Evaluation's collaborators, from this trainer (evaluation.py reads nothing else)."""
+        return evaluation.Evaluator(
+            model=self.model, module=self._inference_module, forward=self._forward,
+            compute_loss=self.compute_loss, compute_metrics=self.compute_metrics,
+            collate=self._collate, batch_size=self.args.per_device_eval_batch_size,
+            seed=self.args.seed, group=self.group, lockstep=self.strategy.shards_state,
+            device=self.device, non_blocking=self.args.non_blocking_data_copy,
+            on_host=self._on_host, count_tokens=self.count_tokens,
+            device_scalar=self._on_device_scalar, forward_context=self._forward_context,
+            mark_step=self.accelerator.mark_step, on_device=self._model_on_device)
+
+    def _evaluate_during_training(self) -> None:
+        metrics = self.evaluate()
+        self._call("on_log", {"step": self.global_step, **metrics})
+        self.best.evaluated(self.global_step, metrics)
+        self._call("on_evaluate", metrics)
+
+    @contextlib.contextmanager
+    def _model_on_device(self):
+        """The model on this rank's device for the duration of train(), evaluate() or predict();
+        afterwards handed back on the host where the accelerator says its tensors are no use to
+        host code (lazy mode on the CPU), tied weights kept tied. Only the outermost call moves it
+        (train() evaluates inside)."""
+        host = self.accelerator.host_device_after_training()
+        outermost = self._device_users == 0
+        if host is not None and outermost:
+            move_to_device(self.model, self.device)  # a no-op right after __init__
+        self._device_users += 1
+        try:
+            yield
+        finally:
+            self._device_users -= 1
+            if host is not None and outermost:
+                self.accelerator.mark_step()  # run what is pending before the weights move
+                move_to_device(self.model, host)
+
+    # -- pieces of set-up ----------------------------------------------------------------------
+    def train_batches(self) -> MicroBatches:
+        """The run's batch source, as train() iterates it (the doctor walks it without the model)."""
+        if self.train_dataset is None:
+            raise InputError("train() needs a train_dataset")
+        return MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
+                            self.args.gradient_accumulation_steps, self.group.dp_rank,
+                            self.group.dp_size, self.args.seed, loading=self._loading())
+
+    def _loading(self) -> LoaderOptions:
+        """How batches are loaded: worker processes, pinned memory (only where the device copies
+        from it asynchronously), batches prepared ahead."""
+        args = self.args
+        return LoaderOptions(args.dataloader_num_workers,
+                             args.dataloader_pin_memory and self.accelerator.pins_memory() and host_can_pin(),
+                             args.dataloader_prefetch_factor)
+
+    def _total_steps(self, batches: MicroBatches) -> int:
+        if batches.steps_per_epoch == 0:
+            raise InputError(f"the training set ({batches.num_samples} samples) is smaller than "
+                             f"one global batch ({batches.global_batch_size} samples): lower "
+                             "per_device_train_batch_size or gradient_accumulation_steps")
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        if batches.steps_per_epoch is None:
+            raise InputError("an iterable train_dataset has no length: set max_steps")
+        return math.ceil(self.args.num_train_epochs * batches.steps_per_epoch)
+
+    def _flops_per_token(self) -> float:
+        if hasattr(self.model, "flops_per_token"):
+            return self.model.flops_per_token()
+        return 6 * sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _peak_flops(self) -> tuple[float | None, float | None]:
+        """(published, measured) peak FLOP/s of the job for the precision's compute dtype."""
+        return job_peak_flops(self.accelerator, self.precision.compute_dtype, self.group.world_size)
+
+    # -- output and checkpoints ----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None) -> None:
+        """What `save_pretrained` writes, into `output_dir` (default: args.output_dir/final):
+        see checkpoint/export.py. Every rank calls it (a sharded model is gathered first)."""
+        folder = output_dir if output_dir is not None else f"{self.args.output_dir}/final"
+        export.save_model(self.model, folder, tokenizer=self.processing_class, group=self.group)
+
+    # -- checkpoints and signals ---------------------------------------------------------------
+    def _state(self, batches: MicroBatches) -> dict:
+        state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
+                 "world_size": self.group.world_size, "seed": self.args.seed,
+                 "global_batch_size": batches.global_batch_size, **self.best.state()}
+        return state  # the model's own configuration is its config.json (checkpoint/full.py)
+
+    def _save(self, batches: MicroBatches) -> Path:
+        # the strategy decides how the state is written; the last save of a run that stops (at
+        # its end, by a signal or a callback) also writes the whole model (model.safetensors) of
+        # a sharded run, for generate and other tools: a collective, so decided by what every
+        # rank agreed just before (_agree_before_save), never by this rank's own flags
+        last = self._stopping or self.global_step >= self.total_steps
+        folder = checkpoint_dir(self.args.output_dir, self.global_step)
+        self.best.saving(self.global_step, folder)  # recorded in this checkpoint's state
+        tracking = self.best.enabled  # then rotation, below, keeps the best checkpoint too
+        folder = checkpoint.save_checkpoint(
+            self.args.output_dir, self.global_step, model=self.model, optimizer=self.optimizer,
+            scheduler=self.scheduler, state=self._state(batches), accelerator=self.accelerator,
+            rank=self.group.rank, world_size=self.group.world_size,
+            save_total_limit=None if tracking else self.args.save_total_limit,
+            barrier=self.group.barrier, state_io=checkpoint.state_io_for(self.strategy),
+            consolidate=last)
+        if tracking and self.group.is_main:  # only rank 0 touches the folders
+            rotate_checkpoints(self.args.output_dir,
+                               self.best.keep_limit(self.args.save_total_limit, folder),
+                               keep=self.best.folder or folder)
+        self._call("on_save", folder)
+        return folder
+
+    def _load_best(self) -> None:
+        """load_best_model_at_end: the best checkpoint's model weights back into the model (every
+        rank: a sharded checkpoint loads collectively); the optimizer and generators stay."""
+        folder = self.best.folder
+        checkpoint.load_checkpoint(folder, model=self.model, accelerator=self.accelerator,
+                                   rank=self.group.rank, restore_rng=False,
+                                   state_io=checkpoint.state_io_for(self.strategy))
+        self.accelerator.mark_step()
+        self.log_message(f"loaded the best checkpoint, {folder.name} ({self.best.key} "
+                         f"{self.best.metric:g})")
+
+    def _resume(self, spec: str | None) -> dict:
+        if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
+            spec = "latest"  # torchrun restarted the job after a failure: pick up where it was
+        if not spec:
+            return {}
+        folder = checkpoint.resolve_checkpoint(self.args.output_dir, spec)
+        state = checkpoint.load_checkpoint(folder, model=self.model, optimizer=self.optimizer,
+                                           scheduler=self.scheduler, accelerator=self.accelerator,
+                                           rank=self.group.rank,
+                                           state_io=checkpoint.state_io_for(self.strategy))
+        self.accelerator.mark_step()
+        return state
+
+    def _resume_differences(self, state: dict, batches: MicroBatches) -> list[str]:
+        """One line for each setting a resumed run changes, saying which value wins."""
+        lines = []
+        saved_batch = state.get("global_batch_size")
+        if saved_batch is not None and saved_batch != batches.global_batch_size:
+            lines.append(f"resuming with a global batch of {batches.global_batch_size} samples where the "
+                         f"checkpoint's run had {saved_batch}: {batches.global_batch_size} wins, so "
+                         "the steps from here see other samples than the original run would have")
+        saved_lr = self.scheduler.base_lrs[0] if state else None
+        if saved_lr is not None and not math.isclose(saved_lr, self.args.learning_rate, rel_tol=1e-9):
+            lines.append(f"resuming with learning_rate {self.args.learning_rate:g} where the checkpoint's "
+                         f"run had {saved_lr:g}: the checkpoint's wins (its schedule continues)")
+        return lines
+
+    def _catch_stop_signals(self) -> dict:
+        """SIGINT and SIGTERM, until train() returns, are only noted here (_signal_received); the
+        ranks act on them together at the next agreement (_agree): they end the step under way,
+        save one checkpoint and return from train(). One that lands after the run's last
+        agreement (before its final save) changes nothing: the run is ending anyway. Caught from
+        train()'s barrier on, which the ranks leave at about the same moment, so that a signal
+        the launcher passes to every rank during start-up finds them alike: all without the
+        handler (each ends the default way, having saved nothing) or all with it."""
+        self._signal_received = None
+
+        def note(signum, frame):
+            self._signal_received = signum
+        previous = {}
+        if _in_main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.signal(signum, note)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+# the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
+_KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
+             if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

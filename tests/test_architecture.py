@@ -1,0 +1,34 @@
+"""The house's rules, checked on every test run: one folder per concern, layered top to bottom,
+no import circle at any depth (import-linter's contracts in pyproject.toml), and a small top."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "hputrain"
+
+
+def test_import_contracts_are_kept():
+    """Layers (cli on top; accelerators, models and config at the bottom) and acyclic siblings."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+def test_the_top_of_the_package_stays_small():
+    """At the top: the public entry points and the shared leaves; everything else in a folder."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "errors.py", "files.py", "inference.py", "metrics.py"], top
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert folders == ["accelerators", "callbacks", "checkpoint", "cli", "config", "data",
+                       "distributed", "execution", "models", "recipes", "rehearsal", "training"]
+
+
+def test_documented_import_paths_keep_working():
+    from hputrain import Callback, EarlyStopping, Trainer, TrainingArguments  # noqa: F401
+    from hputrain.callbacks import added_to_every_trainer  # noqa: F401
+    from hputrain.inference import wrap_for_inference  # noqa: F401
+    from hputrain.metrics import accuracy, token_accuracy  # noqa: F401
+    from hputrain.models.gpt import GPT  # noqa: F401
