@@ -237,3 +237,33 @@ def test_a_damaged_sharded_checkpoint_ends_a_launched_run_in_one_line(two_proces
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hputrain: error:")]
     assert len(errors) == 2 and all("__0_0.distcp is truncated" in line for line in errors)
     assert "Traceback" not in proc.stderr
+
+
+def test_fp8_scaling_state_round_trips_through_shards(tmp_path):
+    """fp8 layers' extra state (a dict of tensors: amax history, scales) is stored by DCP under
+    NAME._extra_state.KEY; loading it back used to be refused as 'unexpected' (fsdp + fp8 runs
+    could not resume)."""
+    from hputrain.execution.fp8 import Fp8Recipe, convert_to_fp8
+    from hputrain.models.gpt import GPT, GPTConfig
+
+    def fp8_gpt():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16))
+        return model, convert_to_fp8(model, Fp8Recipe())
+
+    model, names = fp8_gpt()
+    with torch.no_grad():
+        for name in names:  # as training leaves them: histories and scales no layer starts with
+            layer = model.get_submodule(name)
+            layer.amax_history.uniform_(0.5, 2.0)
+            layer.scale.uniform_(0.5, 2.0)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=None, scheduler=None, state={},
+                    accelerator=CPUAccelerator(), state_io=ShardedState())
+    fresh, _ = fp8_gpt()
+    load_checkpoint(tmp_path / "checkpoint-1", model=fresh, restore_rng=False, state_io=ShardedState())
+    for name in names:
+        saved, loaded = model.get_submodule(name), fresh.get_submodule(name)
+        assert torch.equal(saved.amax_history, loaded.amax_history), name
+        assert torch.equal(saved.scale, loaded.scale), name
+    for (name, saved), (_, loaded) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(saved, loaded), name

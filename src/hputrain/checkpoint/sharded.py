@@ -146,7 +146,7 @@ def check_fits(metadata, model_state: dict) -> None:
 
     saved = {key[len(_MODEL) + 1:]: entry for key, entry in metadata.state_dict_metadata.items()
              if key.startswith(_MODEL + ".") and isinstance(entry, TensorStorageMetadata)}
-    mine = {name: value for name, value in model_state.items() if isinstance(value, torch.Tensor)}
+    mine = _tensors_by_key(model_state)
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or unexpected:
         raise ValueError(f"it does not fit the model (missing: {', '.join(missing[:5]) or 'none'}; "
@@ -155,6 +155,18 @@ def check_fits(metadata, model_state: dict) -> None:
         if tuple(saved[name].size) != tuple(value.shape):
             raise ValueError(f"it does not fit the model: {name} has shape "
                              f"{tuple(saved[name].size)}, the model's {tuple(value.shape)}")
+
+
+def _tensors_by_key(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a state dict under the keys DCP stores them by: a layer's extra state that
+    is a dict of tensors (fp8 scaling: amax_history, scale) as NAME._extra_state.KEY."""
+    found = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found[prefix + name] = value
+        elif isinstance(value, dict):
+            found |= _tensors_by_key(value, f"{prefix}{name}.")
+    return found
 
 
 def _failure_reason(exc: BaseException) -> str:
