@@ -44,7 +44,7 @@ from ..data.batching import LoaderOptions, PadToBuckets, default_collate
 from ..errors import InputError
 from .shapes import MAX_SHAPES, ShapeCensus, batch_shapes, shape_text, take_census
 
-_PACKAGE = str(Path(__file__).parent)
+_PACKAGE = str(Path(__file__).parents[1])  # hputrain itself: its frames are not the user's
 
 
 class DoctorFinished(BaseException):
