@@ -123,7 +123,7 @@ class Inject(Callback):
             self.trainer.should_stop = True
         elif kind == "launcher":  # passed on to every rank; here, wait for it (so it lands in this phase)
             os.kill(int(os.environ["HPUTRAIN_LAUNCHER_PID"]), signal.SIGTERM)
-            wait_until(lambda: self.trainer._signal_received is not None)
+            wait_until(lambda: self.trainer._signals.received is not None)
         elif kind in ("sigterm", "sigint", "mixed"):
             signum = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}.get(kind)
             if kind == "mixed":
@@ -220,7 +220,7 @@ def run_case(out: Path, strategy: str, case: dict, rank: int, reference: dict) -
         result.update(step=output.global_step, signal=signum, should_stop=trainer.should_stop,
                       exit=128 + signum if signum is not None else 0, fired=inject.done)
     if case["kind"] == "launcher":  # before the resumed run, which it would stop
-        wait_until(lambda: trainer._signal_received is not None or late)
+        wait_until(lambda: trainer._signals.received is not None or late)
     checkpoints = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     result["checkpoints"] = checkpoints
     if checkpoints:

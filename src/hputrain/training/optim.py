@@ -60,3 +60,20 @@ def warmup_steps(settings: OptimizerSettings, total_steps: int) -> int:
 def create_scheduler(optimizer, settings: OptimizerSettings, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(settings.lr_scheduler_type, warmup_steps(settings, total_steps), total_steps))
+
+
+def resume_notes(state: dict, global_batch_size: int, scheduler, learning_rate: float) -> list[str]:
+    """One line for each setting a resumed run changes (the global batch, the learning rate),
+    saying which value wins. `state` is the checkpoint's trainer state ({} for a fresh run) and
+    `scheduler` the one it was loaded into."""
+    lines = []
+    saved_batch = state.get("global_batch_size")
+    if saved_batch is not None and saved_batch != global_batch_size:
+        lines.append(f"resuming with a global batch of {global_batch_size} samples where the "
+                     f"checkpoint's run had {saved_batch}: {global_batch_size} wins, so "
+                     "the steps from here see other samples than the original run would have")
+    saved_lr = scheduler.base_lrs[0] if state else None
+    if saved_lr is not None and not math.isclose(saved_lr, learning_rate, rel_tol=1e-9):
+        lines.append(f"resuming with learning_rate {learning_rate:g} where the checkpoint's "
+                     f"run had {saved_lr:g}: the checkpoint's wins (its schedule continues)")
+    return lines

@@ -46,7 +46,8 @@ from . import evaluation
 from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
 from .intervals import BestCheckpoint, Intervals
 from .loss import TokenCount, batch_size
-from .optim import create_optimizer, create_scheduler
+from .optim import create_optimizer, create_scheduler, resume_notes
+from .signals import StopSignals
 from .telemetry import ThroughputClock, job_peak_flops
 
 
@@ -123,7 +124,7 @@ class Trainer:
         self.should_stop = False  # set by a callback to end training after the current step
         self.step_inputs = None  # the current step's last micro-batch, for callbacks
         # Stopping (see _agree): what this process was asked, and what every rank agreed to do.
-        self._signal_received: int | None = None  # SIGINT / SIGTERM caught here, maybe not yet agreed
+        self._signals = StopSignals()  # SIGINT / SIGTERM caught here, maybe not yet agreed
         self._stop_signal: int | None = None  # the signal the ranks agreed to stop for
         self._stopping = False  # the ranks agreed to stop after the current step
         self.best = BestCheckpoint(self.settings.schedule, {})
@@ -134,14 +135,13 @@ class Trainer:
         # exit) and clears what a killed save left; the others resolve "latest" after that.
         lock = lock_output_dir(self.args.output_dir) if self.group.is_main else None
         self.should_stop, self._stopping, self._stop_signal = False, False, None
-        previous_handlers = {}
         try:
             self.group.barrier()
-            previous_handlers = self._catch_stop_signals()  # after the barrier: see there
+            self._signals.install()  # after the barrier: see signals.py
             with self._model_on_device():
                 return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
         finally:
-            self._restore_signal_handlers(previous_handlers)
+            self._signals.restore()
             if lock is not None:
                 lock.release()
 
@@ -168,7 +168,8 @@ class Trainer:
         finished = False
         try:
             self._call("on_train_begin")
-            for line in self._resume_differences(state, batches):
+            for line in resume_notes(state, batches.global_batch_size, self.scheduler,
+                                     args.learning_rate):
                 self.log_message(line)
             while self.global_step < total_steps:
                 step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
@@ -324,7 +325,7 @@ class Trainer:
         should_stop), never from its own flags: a signal that lands after this rank read its
         flag (during the all-reduce, or anywhere later in the step) is counted by the next
         agreement, on every rank alike."""
-        received = self._signal_received  # read once: what the all-reduce carries is what counts
+        received = self._signals.received  # read once: what the all-reduce carries is what counts
         *sums, interrupts, terminates, callback_stops = self.group.host_sum(
             [*values, received == signal.SIGINT, received not in (None, signal.SIGINT), self.should_stop])
         if interrupts or terminates:  # SIGTERM wins where ranks caught different signals
@@ -581,43 +582,6 @@ class Trainer:
         self.accelerator.mark_step()
         return state
 
-    def _resume_differences(self, state: dict, batches: MicroBatches) -> list[str]:
-        """One line for each setting a resumed run changes, saying which value wins."""
-        lines = []
-        saved_batch = state.get("global_batch_size")
-        if saved_batch is not None and saved_batch != batches.global_batch_size:
-            lines.append(f"resuming with a global batch of {batches.global_batch_size} samples where the "
-                         f"checkpoint's run had {saved_batch}: {batches.global_batch_size} wins, so "
-                         "the steps from here see other samples than the original run would have")
-        saved_lr = self.scheduler.base_lrs[0] if state else None
-        if saved_lr is not None and not math.isclose(saved_lr, self.args.learning_rate, rel_tol=1e-9):
-            lines.append(f"resuming with learning_rate {self.args.learning_rate:g} where the checkpoint's "
-                         f"run had {saved_lr:g}: the checkpoint's wins (its schedule continues)")
-        return lines
-
-    def _catch_stop_signals(self) -> dict:
-        """SIGINT and SIGTERM, until train() returns, are only noted here (_signal_received); the
-        ranks act on them together at the next agreement (_agree): they end the step under way,
-        save one checkpoint and return from train(). One that lands after the run's last
-        agreement (before its final save) changes nothing: the run is ending anyway. Caught from
-        train()'s barrier on, which the ranks leave at about the same moment, so that a signal
-        the launcher passes to every rank during start-up finds them alike: all without the
-        handler (each ends the default way, having saved nothing) or all with it."""
-        self._signal_received = None
-
-        def note(signum, frame):
-            self._signal_received = signum
-        previous = {}
-        if _in_main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                previous[signum] = signal.signal(signum, note)
-        return previous
-
-    @staticmethod
-    def _restore_signal_handlers(previous: dict) -> None:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
 
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
@@ -630,9 +594,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
