@@ -4,8 +4,9 @@
 where they happen: the lazy-mode `mark_step()` calls, the gradient-accumulation sync, and the
 throughput clock. The step reads nothing back to the host except at logging steps. Callbacks
 (callbacks/) are called where the hooks' names say; what is written (metrics.jsonl, the
-progress bar, TensorBoard) is written by callbacks. Evaluation and prediction: evaluation.py (an Evaluator);
-when to log, evaluate and save, and the best checkpoint: intervals.py.
+progress bar, TensorBoard) is written by callbacks. Evaluation and prediction: evaluation.py (an
+Evaluator); when to log, evaluate and save, and the best checkpoint: intervals.py; SIGINT and
+SIGTERM: signals.py.
 """
 from __future__ import annotations
 
