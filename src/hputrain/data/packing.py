@@ -1,0 +1,211 @@
+"""Packing tokenized examples into blocks without cross-talk, and the attention mask that keeps
+each example to itself.
+
+`pack` puts whole examples ({"input_ids", "labels"}, from sft.py) into blocks of block_size
+tokens by best-fit decreasing, which leaves little padding. Every block is four int64 tensors of
+block_size, so every batch of blocks is [batch, block_size] and lazy mode and graphs see one shape:
+
+  input_ids     the examples one after another, then pad_token_id
+  labels        the examples' labels, -100 on each example's first token and on the padding
+  position_ids  0, 1, ... restarting at each example (and at the padding)
+  seq_lens      the examples' lengths, then zeros (segment_ids and block_causal_mask read it)
+
+An example longer than a block is cut to its first block_size tokens and counted; one with nothing
+left to learn after the cut is left out and counted. `unpacked` is the packing=False path: one
+example per row, padded by PadToBuckets to a few lengths.
+
+Restarting positions alone do not keep attention inside an example. transformers (5.x) derives a
+block-diagonal mask from position_ids only when it gets no attention_mask and no KV cache; a
+causal LM's forward in training mode still builds a cache when use_cache is left at the config's
+default (True), and then every token attends to the examples before it in its block. Pass
+`block_causal_mask(seq_lens, dtype=...)` as attention_mask: a 4-D mask is used as it is, on the
+eager and sdpa paths, whatever use_cache says.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .batching import PadToBuckets
+
+IGNORE_INDEX = -100
+"""Label of a token the loss leaves out."""
+
+
+@dataclass
+class PackingStats:
+    """What packing (or padding) did to a list of examples."""
+
+    examples: int = 0
+    """Examples in the blocks (or rows)."""
+    blocks: int = 0
+    """Blocks (or rows) made."""
+    truncated: int = 0
+    """Examples longer than a block, cut to its length."""
+    nothing_to_learn: int = 0
+    """Examples left out because the cut removed every learned token."""
+    tokens: int = 0
+    """Example tokens in the blocks."""
+    padding: int = 0
+    """Padding tokens in the blocks (unpacked: none until batches are padded)."""
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.tokens + self.padding
+        return self.padding / total if total else 0.0
+
+
+def truncate(examples: list[dict], max_length: int) -> tuple[list[dict], PackingStats]:
+    """The examples cut to at most max_length tokens (keeping the start), those with no learned
+    token left out; the stats count both."""
+    if not isinstance(max_length, int) or max_length < 1:
+        raise InputError(f"the block size or maximum length must be a whole number of at least 1, "
+                         f"got {max_length!r}")
+    stats, kept = PackingStats(), []
+    for example in examples:
+        if len(example["input_ids"]) > max_length:
+            stats.truncated += 1
+            example = {"input_ids": example["input_ids"][:max_length],
+                       "labels": example["labels"][:max_length]}
+        if all(label == IGNORE_INDEX for label in example["labels"][1:]):
+            stats.nothing_to_learn += 1
+            continue
+        kept.append(example)
+    stats.examples = len(kept)
+    stats.tokens = sum(len(e["input_ids"]) for e in kept)
+    return kept, stats
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of indices into `lengths`, each bin's lengths summing to at most `capacity`: longest
+    first, each into the open bin it fills the most (among equals, the one that has had that room
+    longest), or else a new bin.
+    Bins come in the order they were opened, their indices in the order they were placed."""
+    if any(n < 1 or n > capacity for n in lengths):
+        raise ValueError(f"every length must be between 1 and the capacity {capacity}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    open_bins = _OpenBins(capacity)
+    for i in order:
+        b = open_bins.take_at_least(lengths[i])
+        if b is None:
+            b = len(bins)
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+        if room[b] > 0:
+            open_bins.put(room[b], b)
+    return bins
+
+
+class _OpenBins:
+    """Open bins by the room they have left: the one with the least room of at least n is found
+    in O(log capacity) (a count per room size in a binary tree, searched left to right)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.size = 1 << capacity.bit_length()  # leaves 0..size-1 hold rooms 0..capacity
+        self.count = [0] * (2 * self.size)
+        self.bins: dict[int, deque[int]] = {}
+
+    def put(self, room: int, b: int) -> None:
+        self.bins.setdefault(room, deque()).append(b)
+        node = room + self.size
+        while node:
+            self.count[node] += 1
+            node //= 2
+
+    def take_at_least(self, n: int) -> int | None:
+        node = n + self.size
+        if not self.count[node]:
+            # Up until a right sibling holds a bin: the least room >= n is in its subtree.
+            while node > 1 and (node % 2 or not self.count[node + 1]):
+                node //= 2
+            if node == 1:
+                return None
+            node += 1
+            while node < self.size:  # down to its leftmost leaf with a bin
+                node = 2 * node if self.count[2 * node] else 2 * node + 1
+        room = node - self.size
+        b = self.bins[room].popleft()
+        while node:
+            self.count[node] -= 1
+            node //= 2
+        return b
+
+
+def pack(examples: list[dict], block_size: int, pad_token_id: int = 0) -> tuple[list[dict], PackingStats]:
+    """The examples ({"input_ids", "labels"} lists) in blocks of block_size tokens (see the module
+    docstring), and what was cut, left out and padded."""
+    kept, stats = truncate(examples, block_size)
+    lengths = [len(e["input_ids"]) for e in kept]
+    blocks = []
+    for members in best_fit_decreasing(lengths, block_size):
+        input_ids = torch.full((block_size,), pad_token_id, dtype=torch.long)
+        labels = torch.full((block_size,), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(block_size, dtype=torch.long)
+        seq_lens = torch.zeros(block_size, dtype=torch.long)
+        at = 0
+        for k, i in enumerate(members):
+            n = lengths[i]
+            input_ids[at:at + n] = torch.tensor(kept[i]["input_ids"])
+            labels[at:at + n] = torch.tensor(kept[i]["labels"])
+            labels[at] = IGNORE_INDEX  # nothing in this example predicts its first token
+            position_ids[at:at + n] = torch.arange(n)
+            seq_lens[k] = n
+            at += n
+        position_ids[at:] = torch.arange(block_size - at)  # the padding is a sequence of its own
+        stats.padding += block_size - at
+        blocks.append({"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+                       "seq_lens": seq_lens})
+    stats.blocks = len(blocks)
+    return blocks, stats
+
+
+def unpacked(examples: list[dict], max_length: int, pad_token_id: int = 0, buckets: int | None = 4,
+             pad_to_multiple_of: int | None = None) -> tuple[list[dict], PadToBuckets, PackingStats]:
+    """packing=False: one example per row ({"input_ids", "labels"} tensors, cut to max_length),
+    and the collator that pads each batch to the smallest of `buckets` lengths up to max_length
+    (labels with -100, so the loss is the unpadded one without an attention mask)."""
+    kept, stats = truncate(examples, max_length)
+    rows = [{"input_ids": torch.tensor(e["input_ids"]), "labels": torch.tensor(e["labels"])}
+            for e in kept]
+    stats.blocks = len(rows)
+    return rows, PadToBuckets(pad_token_id, pad_to_multiple_of, buckets, max_length), stats
+
+
+def segment_ids(seq_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    """Which example each token of a block belongs to: [..., block_size] ids, increasing, one per
+    example and one more for the padding after them. `seq_lens` is [..., k] example lengths
+    (zeros allowed, as `pack` pads them); block_size defaults to k. Static shapes, no host read."""
+    block_size = seq_lens.shape[-1] if block_size is None else block_size
+    ends = seq_lens.cumsum(-1).clamp(max=block_size)
+    # A token's segment is the number of examples that end at or before it.
+    marks = torch.zeros(*seq_lens.shape[:-1], block_size + 1, dtype=seq_lens.dtype, device=seq_lens.device)
+    marks.scatter_add_(-1, ends, torch.ones_like(ends))
+    return marks[..., :block_size].cumsum(-1)
+
+
+def block_causal_mask(seq_lens: torch.Tensor, block_size: int | None = None,
+                      dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The attention mask of packed blocks: [batch, 1, block_size, block_size], a token seeing the
+    tokens at or before it in its own example only (padding sees padding).
+
+    `seq_lens` is [batch, k] or [k] (see `segment_ids`). dtype bool: True where attention is
+    allowed (sdpa); a float dtype: 0 there and the dtype's minimum elsewhere, added to the scores
+    (eager and sdpa; use the model's compute dtype). transformers uses a 4-D mask as it is given.
+    """
+    segments = segment_ids(seq_lens if seq_lens.dim() > 1 else seq_lens[None], block_size)
+    size = segments.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=segments.device).tril()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
