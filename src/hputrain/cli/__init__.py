@@ -126,7 +126,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _env_parser(sub)
     _export_parser(sub)
-    from ..distributed.launch import add_launch_parser
+    from .launch import add_launch_parser
     from .train import add_train_parser
     from .doctor import add_doctor_parser
     from .config import add_config_parser

@@ -1,4 +1,4 @@
-"""`hputrain launch`: a thin front for torch.distributed.run (torchrun), and the relaunch behind
+"""The mechanism of `hputrain launch` (cli/launch.py): a thin front for torch.distributed.run (torchrun), and the relaunch behind
 `devices=N` / `num_nodes=M` (Lightning's way: set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
 NODE_RANK on every node and run the same command).
 
@@ -47,6 +47,9 @@ def launch(target: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: i
     os.environ[LAUNCHER_PID] = str(os.getpid())
     if cpu:
         os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
+    # As torchrun does: processes sharing a node share its cores, unless the user said otherwise
+    # (on 2 cores, two ranks of two OpenMP threads each ran a step about 10x slower).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
         run_id=f"hputrain-{master_addr}-{master_port}", rdzv_backend="static",
@@ -280,7 +283,7 @@ def _own_signal_handlers():
             signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
 
-def _env_int(name: str, default: int | None = None) -> int | None:
+def env_int(name: str, default: int | None = None) -> int | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -299,12 +302,12 @@ def relaunch_current_program(devices: int, num_nodes: int) -> int:
     """Run this program again in devices × num_nodes processes (this node's share), as Lightning
     does for Trainer(devices=N): with num_nodes > 1, MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
     NODE_RANK come from the environment of every node."""
-    world = _env_int("WORLD_SIZE")
+    world = env_int("WORLD_SIZE")
     if world is not None and world != devices * num_nodes:
         raise InputError(f"WORLD_SIZE={world}, but devices={devices} × num_nodes={num_nodes} is "
                          f"{devices * num_nodes}")
     port = os.environ.get("MASTER_PORT") or None
-    return launch(current_program(), devices, num_nodes, _env_int("NODE_RANK", 0),
+    return launch(current_program(), devices, num_nodes, env_int("NODE_RANK", 0),
                   os.environ.get("MASTER_ADDR") or None,
                   check_port(port, "MASTER_PORT") if port is not None else None)
 
@@ -319,52 +322,3 @@ def current_program() -> list[str]:
         raise InputError("devices > 1 starts one process per device by running this program again, "
                          "but it is not a script file; run it with `hputrain launch` instead")
     return [sys.argv[0], *sys.argv[1:]]
-
-
-def cmd_launch(args) -> int:
-    from ..accelerators import detect_accelerator
-    from ..config.defaults import load_defaults
-
-    saved = load_defaults()  # what `hputrain config` wrote, under the flags typed
-    cpu = args.cpu or (saved is not None and saved.accelerator == "cpu")
-    nproc = args.nproc_per_node or (str(saved.nproc_per_node) if saved else "auto")
-    if nproc == "auto":
-        nproc = detect_accelerator("cpu" if cpu else "auto").device_count()
-    try:
-        nproc = int(nproc)
-    except ValueError:
-        raise InputError(f"--nproc-per-node must be a number or auto, got {nproc!r}") from None
-    nnodes = args.nnodes or (saved.num_nodes if saved else 1)
-    if args.master_port is not None:
-        port = check_port(args.master_port, "--master-port")
-    else:
-        port = os.environ.get("MASTER_PORT") or None
-        port = check_port(port, "MASTER_PORT") if port is not None else None
-    target = (["-m", args.target] if args.module else [args.target]) + args.args
-    if not args.module and not os.path.isfile(args.target):
-        raise InputError(f"script {args.target} does not exist")
-    node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK", 0)
-    return launch(target, nproc, nnodes, node_rank, args.master_addr or os.environ.get("MASTER_ADDR") or None,
-                  port, args.max_restarts, cpu)
-
-
-def add_launch_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("launch", help="multi-process / multi-node launch (torchrun)",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc-per-node", "--nproc_per_node", help="processes per node: N or auto")
-    p.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, help="this node's rank (default $NODE_RANK or 0)")
-    p.add_argument("--master-addr", "--master_addr", help="address of node 0 (default $MASTER_ADDR; "
-                   "127.0.0.1 on one node)")
-    p.add_argument("--master-port", "--master_port", help="a free port on node 0 (default $MASTER_PORT; "
-                   "on one node, a free port of 127.0.0.1)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="restart the whole job this often after a failure; it resumes from the latest "
-                   "checkpoint (a stop by SIGTERM/SIGINT is never restarted)")
-    p.add_argument("--cpu", action="store_true", help="force the CPU")
-    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, as python -m")
-    p.add_argument("target", metavar="SCRIPT", help="the training script (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    p.set_defaults(func=cmd_launch)
