@@ -131,12 +131,14 @@ def build_parser() -> Parser:
     from .doctor import add_doctor_parser
     from .config import add_config_parser
     from .generate import add_generate_parser
+    from .evaluate import add_evaluate_parser
     from .report import add_report_parser
 
     add_train_parser(sub)
     add_launch_parser(sub)
     add_config_parser(sub)
     add_generate_parser(sub)
+    add_evaluate_parser(sub)
     add_report_parser(sub)
     add_doctor_parser(sub)
     return parser

@@ -26,11 +26,23 @@ class HFOptions:
     model: str | None = None
     """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune."""
     dataset: str | None = None
-    """Local text: a UTF-8 file, a folder of them, JSON Lines with a text field, or a save_to_disk folder."""
+    """Local data: a UTF-8 file, a folder of them, JSON Lines or a save_to_disk folder with a text
+    column (causal LM) or chat / instruction columns (SFT: messages, conversations, prompt + completion)."""
     from_scratch: bool = False
     """Start from random weights of the folder's architecture instead of its trained weights."""
     text_column: str = "text"
     """The field (JSON Lines) or column (save_to_disk) holding the text."""
+    packing: bool = True
+    """SFT data (messages, conversations, prompt + completion): pack whole examples into blocks of
+    block_size tokens, attention kept inside each example; --no-packing pads one example a row
+    to a few lengths instead."""
+    assistant_only_loss: bool = True
+    """SFT on conversations: learn the assistant turns only (each with its end of turn); false
+    learns every token."""
+    completion_only_loss: bool = True
+    """SFT on prompt + completion: learn the completion only; false learns the prompt too."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the tokenizer's (and is saved with it in final/)."""
     block_size: int | None = None
     """Tokens per training sequence; unset means min(1024, the model's maximum length)."""
     validation_split_percentage: float = 5.0
@@ -91,7 +103,6 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
     from ..training.trainer import Trainer
     from .finish import report_outputs, save_final, write_recipe
-    from .hf_data import load_blocks
 
     folder = model_folder(options.model)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
@@ -99,11 +110,13 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     if options.lora_r:
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
-    data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
-                       validation_percentage=options.validation_split_percentage,
-                       cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache",
-                       tokenizer_folder=folder)
+    data = load_data(options, tokenizer, block_size, folder,
+                     options.cache_dir or Path(training_args.output_dir) / ".cache")
+    if data.method != "text" and options.packing and training_args.context_parallel_size > 1:
+        raise InputError("packed SFT blocks under context parallelism are not supported (each rank "
+                         "would hold a slice of several examples): use --no-packing")
     trainer = Trainer(model, training_args, train_dataset=data.train, eval_dataset=data.validation,
+                      data_collator=getattr(data, "collator", None),
                       accelerator_config=accelerator_config, processing_class=tokenizer)
     if trainer.group.is_main:
         print(_header(trainer, model, options, data, block_size))
@@ -121,6 +134,25 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     elif final is not None:
         print(f'load it with AutoModelForCausalLM.from_pretrained("{final}")')
     return 0
+
+
+def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):
+    """The data set as training and validation blocks (or rows): the method its columns ask for
+    (hf_sft.data_method), with the --chat-template given put into the tokenizer first."""
+    from .hf_data import load_blocks
+    from .hf_sft import data_method, load_sft, use_chat_template
+
+    use_chat_template(tokenizer, options.chat_template)
+    method = data_method(options.dataset, options.text_column)
+    if method == "text":
+        data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
+                           validation_percentage=options.validation_split_percentage,
+                           cache_dir=cache_dir, tokenizer_folder=folder)
+    else:
+        data = load_sft(options.dataset, method, tokenizer, block_size, options, cache_dir=cache_dir,
+                        tokenizer_folder=folder)
+    data.method = method
+    return data
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -233,6 +265,7 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 
 def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
     from .finish import kernels_line
+    from .hf_sft import METHODS, describe
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -244,20 +277,24 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
         name = f"{type(model.get_base_model()).__name__} + LoRA r={options.lora_r} on {targets}"
     held_out = len(data.validation) if data.validation is not None else 0
     cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
+    units = "blocks" if options.packing or data.method == "text" else "rows"
     if data.own_validation:
-        validation = f"the data set's own validation split, {held_out} blocks"
+        validation = f"the data set's own validation split, {held_out} {units}"
     elif held_out:
-        validation = (f"the last {options.validation_split_percentage:g}% of the blocks held out "
-                      f"(--validation-split-percentage), {held_out} blocks")
+        held = "blocks" if data.method == "text" else "examples"
+        validation = (f"the last {options.validation_split_percentage:g}% of the {held} held out "
+                      f"(--validation-split-percentage), {held_out} {units}")
     else:
         validation = "none (--validation-split-percentage 0)"
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
-            f"hputrain: {len(data.train)} training and {held_out} validation blocks of {block_size} "
-            f"tokens from {options.dataset} ({cached})\n"
-            f"hputrain: validation: {validation}")
+            f"hputrain: method: {METHODS[data.method]}\n"
+            + (f"hputrain: {len(data.train)} training and {held_out} validation blocks of {block_size} "
+               f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else
+               describe(data, options, block_size, f"from {options.dataset} ({cached})"))
+            + f"hputrain: validation: {validation}")
 
 
 def _count(n: int) -> str:

@@ -83,7 +83,7 @@ def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "te
            and VALIDATION_SPLIT in _saved_splits(source))
 
     def blocks_of(split: str, where: str) -> tuple[np.ndarray, Path, bool]:
-        key = _cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column,
+        key = cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column,
                          split if kind == "saved" else None)
         cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
         blocks = _read_cache(cache_file, block_size)
@@ -156,6 +156,41 @@ def split(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray,
 
 # -- what the data set is ----------------------------------------------------------------------
 
+def columns_of(path: str) -> list[str] | None:
+    """The data set's columns: a save_to_disk folder's, or the first record's fields of a JSON
+    Lines file; None for plain text (a file or a folder of them)."""
+    source = Path(path)
+    kind, _ = _source(source)
+    if kind == "saved":
+        return list(_load_saved(source)[0].column_names)
+    if kind == "jsonl":
+        first = next(_json_objects(source), None)
+        return list(first[1]) if first is not None and isinstance(first[1], dict) else []
+    return None
+
+
+def records(path: str, split: str = TRAIN_SPLIT) -> Iterator[tuple[str, dict]]:
+    """(where, row) for each row of a JSON Lines file or a save_to_disk folder (a DatasetDict:
+    its `split`); `where` names the row in errors."""
+    source = Path(path)
+    kind, _ = _source(source)
+    if kind == "saved":
+        data, name = _load_saved(source, split)
+        for number, row in enumerate(data):
+            yield f"{name} row {number}", row
+        return
+    for where, record in _json_objects(source):
+        if not isinstance(record, dict):
+            raise InputError(f"--dataset {where} is {type(record).__name__}, not an object of fields")
+        yield where, record
+
+
+def saved_splits(path: str) -> list[str]:
+    """The split names of a save_to_disk DatasetDict folder ([] for anything else)."""
+    source = Path(path)
+    return _saved_splits(source) if source.is_dir() else []
+
+
 def _source(path: Path) -> tuple[str, list[Path]]:
     """(kind, the files that make it up, in a fixed order)."""
     if not path.exists():
@@ -215,6 +250,12 @@ def _read_text(path: Path) -> str:
 
 def _json_records(path: Path, column: str) -> Iterator[str]:
     """The text field of each record: one JSON object a line, or (a .json file) one array."""
+    for where, record in _json_objects(path):
+        yield _text_field(record, column, where)
+
+
+def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, record) for each record: one JSON object a line, or (a .json file) one array."""
     text = _read_text(path)
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
@@ -232,7 +273,7 @@ def _json_records(path: Path, column: str) -> Iterator[str]:
             except json.JSONDecodeError as exc:
                 raise InputError(f"--dataset {path} line {number} is not JSON ({exc.msg}): a JSON "
                                  "Lines file holds one object a line") from None
-        yield _text_field(record, column, f"{path} {where} {number}")
+        yield f"{path} {where} {number}", record
 
 
 def _text_field(record, column: str, where: str) -> str:
@@ -248,6 +289,21 @@ def _text_field(record, column: str, where: str) -> str:
 
 def _saved_rows(path: Path, column: str, split: str = TRAIN_SPLIT) -> Iterator[str]:
     """The text column of a folder written by save_to_disk (a DatasetDict: its `split`)."""
+    data, where = _load_saved(path, split)
+    if column not in data.column_names:
+        raise InputError(f"--dataset {where} has no {column!r} column (it has: "
+                         f"{', '.join(data.column_names)}): name it with --text-column")
+    for number, batch in enumerate(data.iter(batch_size=1000)):
+        for offset, value in enumerate(batch[column]):
+            if not isinstance(value, str):
+                raise InputError(f"--dataset {where} row {number * 1000 + offset}: column {column!r} "
+                                 f"is {type(value).__name__}, not text")
+            yield value
+
+
+def _load_saved(path: Path, split: str = TRAIN_SPLIT):
+    """(the datasets.Dataset of a save_to_disk folder, or its DatasetDict's `split`, how errors
+    name it)."""
     try:
         import datasets
     except ImportError:
@@ -265,15 +321,7 @@ def _saved_rows(path: Path, column: str, split: str = TRAIN_SPLIT) -> Iterator[s
                              "save the split to train on by itself")
         data = data[split]
         where = f"{path} (its {split} split)" if split != TRAIN_SPLIT else path
-    if column not in data.column_names:
-        raise InputError(f"--dataset {where} has no {column!r} column (it has: "
-                         f"{', '.join(data.column_names)}): name it with --text-column")
-    for number, batch in enumerate(data.iter(batch_size=1000)):
-        for offset, value in enumerate(batch[column]):
-            if not isinstance(value, str):
-                raise InputError(f"--dataset {where} row {number * 1000 + offset}: column {column!r} "
-                                 f"is {type(value).__name__}, not text")
-            yield value
+    return data, where
 
 
 def _pieces(text: str) -> Iterator[str]:
@@ -290,8 +338,13 @@ def _pieces(text: str) -> Iterator[str]:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-def _cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column,
-               split: str | None = None) -> str:
+def source_files(path: str) -> tuple[str, list[Path]]:
+    """(kind, the files that make up the data set): what a cache key is made of."""
+    return _source(Path(path))
+
+
+def cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column,
+              split: str | None = None, extra: list | None = None) -> str:
     """A hash of what decides the blocks; `split`: which split of a save_to_disk folder (None:
     the other shapes, whose keys are then what they were before splits were read)."""
     digest = hashlib.sha256()
@@ -300,7 +353,7 @@ def _cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_siz
               f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     decided = [CACHE_VERSION, kind, str(resolved), stats, block_size, column,
                type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id]
-    digest.update(json.dumps(decided + ([split] if split else [])).encode())
+    digest.update(json.dumps(decided + ([split] if split else []) + (extra or [])).encode())
     folder = Path(tokenizer_folder) if tokenizer_folder else None
     for name in TOKENIZER_FILES:  # the files that decide the tokens, by content
         if folder is not None and (folder / name).is_file():

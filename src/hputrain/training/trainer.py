@@ -48,6 +48,7 @@ from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401 
 from .intervals import BestCheckpoint, Intervals
 from .loss import TokenCount, batch_size
 from .optim import create_optimizer, create_scheduler, resume_notes
+from .packed import PACKING_KEYS, PackedInputs
 from .signals import StopSignals
 from .telemetry import ThroughputClock, job_peak_flops
 
@@ -110,6 +111,7 @@ class Trainer:
         self.model = self.strategy.place(self.precision.convert_module(model), self.device)
         apply_activation_checkpointing(self.model, self.settings.activation_checkpointing)  # before the strategy wraps it
         self.inputs = model_input_names(model)
+        self.packed = PackedInputs(model, self.precision, self.inputs)  # seq_lens -> block mask (packed.py)
         self.count_tokens = TokenCount(model)
         self.context_parallel = self._context_parallel()
         self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts; fsdp shards
@@ -347,7 +349,8 @@ class Trainer:
         above all): the Hugging Face Trainer's remove_unused_columns. A data.py object, not a
         method of the Trainer, so that data workers started by spawn pickle the collator alone."""
         dropping = self.inputs is not None and self.args.remove_unused_columns
-        return DropUnusedColumns(self.collate, self.inputs | LABEL_NAMES if dropping else None)
+        keep = self.inputs | LABEL_NAMES | PACKING_KEYS if dropping else None
+        return DropUnusedColumns(self.collate, keep)
 
     def _on_device_scalar(self, value: float, dtype=torch.float32) -> torch.Tensor:
         """A number the step uses, made on the host and copied over: in lazy mode it is graph
@@ -382,7 +385,7 @@ class Trainer:
         accepts), with `loss_kwargs` (num_items_in_batch) for a model that takes them."""
         module = self.wrapped if module is None else module
         if isinstance(batch, dict):
-            inputs = self.inputs
+            batch, inputs = self.packed(batch), self.inputs  # a packed block's mask, on the device
             return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
                           **loss_kwargs)
         if isinstance(batch, (list, tuple)):

@@ -1,0 +1,53 @@
+"""`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face model over a
+whole data set, read as `hputrain train` reads it (text, or SFT rows by their columns): every
+counted token of it, none held out. Works on a run's output_dir/final."""
+from __future__ import annotations
+
+import json
+
+from ..errors import InputError
+from ..recipes.hf import HFOptions
+from ..recipes.hf_eval import evaluate
+
+
+def add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="the loss of a Hugging Face model (--model DIR) over a whole "
+                                        "data set (--dataset PATH)", description=__doc__)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a local Hugging Face model folder (a run's output_dir/final)")
+    p.add_argument("--dataset", required=True, metavar="PATH", help="the data, as hputrain train takes it")
+    p.add_argument("--block-size", "--block_size", dest="block_size", type=int,
+                   help="tokens per block (default: as hputrain train chooses)")
+    p.add_argument("--no-packing", "--no_packing", dest="packing", action="store_false",
+                   help="SFT data: one example a row instead of packed blocks (same loss)")
+    p.add_argument("--no-assistant-only-loss", dest="assistant_only_loss", action="store_false",
+                   help="conversations: count every token, not only the assistant turns")
+    p.add_argument("--no-completion-only-loss", dest="completion_only_loss", action="store_false",
+                   help="prompt + completion: count the prompt's tokens too")
+    p.add_argument("--text-column", "--text_column", dest="text_column", default="text",
+                   help="the text field of text data (default: text)")
+    p.add_argument("--chat-template", "--chat_template", dest="chat_template", metavar="FILE",
+                   help="a Jinja chat template that replaces the tokenizer's")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=8,
+                   help="blocks or rows per forward (default: 8)")
+    p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or auto")
+    p.add_argument("--cpu", action="store_true", help="force the CPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_evaluate(args) -> int:
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    options = HFOptions(model=args.model, dataset=args.dataset, block_size=args.block_size,
+                        packing=args.packing, text_column=args.text_column,
+                        assistant_only_loss=args.assistant_only_loss,
+                        completion_only_loss=args.completion_only_loss,
+                        chat_template=args.chat_template)  # a bad value: ConfigError, one line
+    result = evaluate(options, batch_size=args.batch_size, precision=args.precision)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for key, value in result.items():
+        print(f"{key} {value:.6f}" if isinstance(value, float) else f"{key} {value}")
+    return 0

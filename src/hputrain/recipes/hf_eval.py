@@ -1,0 +1,43 @@
+"""`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face causal language
+model (a downloaded one, or a run's output_dir/final) over a whole data set.
+
+The data is read as `hputrain train` reads it (hf.load_data: text, or SFT rows by their columns),
+every example or block of it, none held out, and evaluated by the Trainer's own evaluation loop
+(training/evaluation.py), so the numbers are those a training run reports: `eval_loss` is the
+summed cross-entropy over every counted token (labels other than -100, after the shift) divided
+by their number, `eval_perplexity` its exponential, `eval_tokens` that number. Packed blocks are
+evaluated with attention kept inside each example (training/packed.py), so packed and unpacked
+data give the same loss.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from ..config.arguments import TrainingArguments
+
+
+def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
+    """{"eval_loss", "eval_perplexity", "eval_tokens"} of the model `options.model` on
+    `options.dataset` (options: the recipe's HFOptions, whose validation split is ignored)."""
+    import torch
+
+    from ..training.trainer import Trainer
+    from .hf import choose_block_size, load_data, load_model, model_folder
+
+    folder = model_folder(options.model)
+    model, tokenizer = load_model(folder)
+    block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    options.validation_split_percentage = 0  # the whole data set is evaluated
+    with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
+        # The token cache goes where --cache-dir says, else nowhere lasting: evaluate writes no run.
+        data = load_data(options, tokenizer, block_size, folder, options.cache_dir or scratch)
+        args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
+                                 precision=precision, report_to="none", disable_tqdm=True)
+        trainer = Trainer(model, args, data_collator=getattr(data, "collator", None))
+        metrics = trainer.evaluate(data.train)
+        tokens = sum(trainer.count_tokens({"labels": torch.as_tensor(row["labels"])[None]})
+                     for row in data.train)
+    return {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
+            "eval_tokens": tokens, "method": data.method, "block_size": block_size,
+            "packing": bool(options.packing) or data.method == "text"}
