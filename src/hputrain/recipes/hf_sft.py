@@ -46,9 +46,11 @@ def data_method(path: str, text_column: str = "text") -> str:
     except InputError:
         if text_column in columns:
             return "text"
-        raise InputError(f"--dataset {path} has the columns {', '.join(map(repr, columns)) or 'none'}: "
-                         f"give text in {text_column!r} (or name it with --text-column), chat rows in "
-                         "'messages' or 'conversations', or 'prompt' and 'completion'") from None
+        where = f"{path} has no {text_column!r} column" if Path(path).is_dir() else \
+            f"{path} line 1 has no {text_column!r} field"
+        raise InputError(f"--dataset {where} (it has: {', '.join(map(str, columns)) or 'nothing'}): "
+                         "name the text field with --text-column, or give chat rows in 'messages' "
+                         "or 'conversations', or 'prompt' and 'completion'") from None
 
 
 @dataclass
