@@ -221,3 +221,24 @@ def test_a_tokenizer_without_a_template_is_one_line_naming_the_flag(tmp_path, ca
     for command in (["train", "--output-dir", str(tmp_path / "run")], ["evaluate"]):
         err = error_line(capsys, [*command, "--model", str(llama_folder), "--dataset", str(data)])
         assert "no chat template" in err and "--chat-template" in err, err
+
+
+# -- the mask on the forward path -----------------------------------------------------------------
+
+def test_packed_inputs_build_the_mask_in_the_compute_dtype_and_drop_seq_lens():
+    from hputrain.execution.precision import BF16Autocast, Precision
+    from hputrain.training.packed import PackedInputs
+
+    model = torch.nn.Linear(2, 2)
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "seq_lens": torch.tensor([[3, 1, 0, 0]])}
+    inputs = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})
+    fp32 = PackedInputs(model, Precision(), inputs)(batch)
+    bf16 = PackedInputs(model, BF16Autocast("cpu"), inputs)(batch)
+    assert "seq_lens" not in fp32 and "seq_lens" in batch  # the batch itself is left as it was
+    assert fp32["attention_mask"].dtype == torch.float32 and bf16["attention_mask"].dtype == torch.bfloat16
+    allowed = fp32["attention_mask"][0, 0] == 0
+    assert allowed.tolist() == [[True, False, False, False], [True, True, False, False],
+                                [True, True, True, False], [False, False, False, True]]
+    assert PackedInputs(model, Precision(), inputs)({"input_ids": 1}) == {"input_ids": 1}
+    with pytest.raises(Exception, match="--no-packing"):
+        PackedInputs(model, Precision(), frozenset({"input_ids"}))(batch)
