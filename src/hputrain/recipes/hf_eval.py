@@ -12,7 +12,6 @@ data give the same loss.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 
 from ..config.arguments import TrainingArguments
 
