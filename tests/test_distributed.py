@@ -123,6 +123,22 @@ def test_train_command_with_devices(tmp_path):
     assert proc.stdout.count("checkpoint:") == 1  # rank 0 alone reports
 
 
+def test_train_command_with_devices_passes_bad_input_on(tmp_path):
+    """Each relaunched rank finds the bad input (one line, exit 2): so does the command."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_bytes(Path(os.__file__).read_bytes()[:20_000])
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--devices", "2", "--cpu", "--corpus",
+                           str(corpus), "--output-dir", str(tmp_path / "run"), "--max-steps", "2", "--seq-len", "32",
+                           "--disable-tqdm", "--resume-from-checkpoint", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = launcher_lines(proc.stderr)  # a rank stopped before it got there is left out
+    assert lines and all(line in [f"hputrain launch: rank {rank} failed (exit code 2): hputrain: error: Checkpoint "
+                                  f"folder {tmp_path / 'nowhere'} does not exist." for rank in (0, 1)]
+                         for line in lines), lines
+
+
 def test_launch_bad_input(tmp_path):
     proc, _ = hputrain_launch(str(tmp_path / "missing.py"))
     assert proc.returncode == 2 and "missing.py does not exist" in proc.stderr
