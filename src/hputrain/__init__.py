@@ -9,7 +9,9 @@ from .accelerators import detect_accelerator
 from .callbacks import Callback, EarlyStopping
 from .config.accelerator_config import AcceleratorConfig
 from .config.arguments import TrainingArguments
+from .config.preference import DPOConfig
 from .execution.precision import autocast
+from .training.dpo import DPOTrainer
 from .training.trainer import Trainer
 
-__all__ = ["AcceleratorConfig", "Callback", "EarlyStopping", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]
+__all__ = ["AcceleratorConfig", "Callback", "DPOConfig", "DPOTrainer", "EarlyStopping", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]

@@ -106,13 +106,17 @@ def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
 
 @functools.cache
 def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (read from its source)."""
+    """The docstring written under each field of a dataclass (read from its source, and from its
+    dataclass bases' for the fields it inherits)."""
+    docs = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
-        return {}
+        return docs
     body = tree.body[0].body
-    docs = {}
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)

@@ -7,27 +7,37 @@ model folder, or a PEFT adapter folder, that transformers and peft load as they 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
 from pathlib import Path
 
-from ..config.fields import ConfigError
+from ..config.fields import ConfigError, check_choice
+from ..config.preference import PreferenceOptions, check_preference
 from ..errors import InputError, did_you_mean
 
+METHOD_NAMES = ("auto", "lm", "sft", "dpo")
+"""--method's values."""
 MISPLACED = "needs --model DIR (a Hugging Face model folder to fine-tune)"
 """What is said of one of these options given without --model (to the built-in GPT recipe)."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class HFOptions:
-    """The Hugging Face recipe's own settings, beside TrainingArguments."""
+class HFOptions(PreferenceOptions):
+    """The Hugging Face recipe's own settings, beside TrainingArguments (and DPO's, inherited)."""
 
     model: str | None = None
     """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune."""
     dataset: str | None = None
     """Local data: a UTF-8 file, a folder of them, JSON Lines or a save_to_disk folder with a text
     column (causal LM) or chat / instruction columns (SFT: messages, conversations, prompt + completion)."""
+    method: str = "auto"
+    """What to train: auto (from the data's columns), lm (causal LM on text), sft (chat and
+    instruction rows) or dpo (preference pairs: prompt, chosen, rejected)."""
+    ref_model: str | None = None
+    """DPO: a local model folder as the reference; unset means the adapter-disabled base under
+    LoRA, else a frozen copy of the starting weights."""
     from_scratch: bool = False
     """Start from random weights of the folder's architecture instead of its trained weights."""
     text_column: str = "text"
@@ -69,6 +79,8 @@ class HFOptions:
         if not 0 <= self.validation_split_percentage < 100:
             raise ConfigError("validation_split_percentage must be in [0, 100), got "
                               f"{self.validation_split_percentage}")
+        check_choice("method", self.method, METHOD_NAMES)
+        check_preference(self)
         if self.lora_r is not None and self.lora_r < 1:
             raise ConfigError(f"lora_r must be at least 1, got {self.lora_r}")
         given = [n for n in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(self, n) is not None]
@@ -107,9 +119,19 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     folder = model_folder(options.model)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
     model, tokenizer = load_model(folder, options.from_scratch)
+    dpo = data_kind(options) == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
+    ref_folder = model_folder(options.ref_model) if dpo and options.ref_model else None
+    ref_model = load_model(ref_folder)[0] if ref_folder is not None else None
+    if dpo and ref_model is None and not options.lora_r:  # the starting weights, frozen
+        ref_model = copy.deepcopy(model)
     if options.lora_r:
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    if dpo:
+        from .hf_dpo import run_dpo
+
+        return run_dpo(options, training_args, accelerator_config, folder, model, tokenizer,
+                       block_size, ref_model, ref_folder)
     data = load_data(options, tokenizer, block_size, folder,
                      options.cache_dir or Path(training_args.output_dir) / ".cache")
     if data.method != "text" and options.packing and training_args.context_parallel_size > 1:
@@ -136,6 +158,29 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     return 0
 
 
+def data_kind(options: HFOptions) -> str:
+    """"dpo" for preference pairs, else "lm_or_sft" (load_data tells those apart): from the
+    data's columns, checked against --method and the DPO flags."""
+    from ..config.preference import preference_flags_given
+    from ..data.preference import is_preference
+    from .hf_data import columns_of
+
+    columns = columns_of(options.dataset) or []
+    kind = "dpo" if is_preference(columns) else "lm_or_sft"
+    if options.method == "dpo" and kind != "dpo":
+        raise InputError(f"--method dpo needs preference rows ('chosen' and 'rejected', and "
+                         f"'prompt'); --dataset {options.dataset} has: "
+                         f"{', '.join(map(str, columns)) or 'no columns (plain text)'}")
+    if options.method in ("lm", "sft") and kind == "dpo":
+        raise InputError(f"--method {options.method}: --dataset {options.dataset} holds preference "
+                         "pairs (chosen, rejected): train them with --method dpo (or auto)")
+    given = preference_flags_given(options) + (["ref_model"] if options.ref_model else [])
+    if kind != "dpo" and given:
+        raise InputError(f"--{given[0].replace('_', '-')} is for preference pairs (DPO), and "
+                         f"--dataset {options.dataset} holds none")
+    return kind
+
+
 def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):
     """The data set as training and validation blocks (or rows): the method its columns ask for
     (hf_sft.data_method), with the --chat-template given put into the tokenizer first."""
@@ -144,6 +189,10 @@ def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cach
 
     use_chat_template(tokenizer, options.chat_template)
     method = data_method(options.dataset, options.text_column)
+    if (options.method == "lm") != (method == "text") and options.method != "auto":
+        found = "text" if method == "text" else f"{method} rows"
+        raise InputError(f"--method {options.method}: --dataset {options.dataset} holds {found}: "
+                         "leave --method at auto, or give data of that shape")
     if method == "text":
         data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
                            validation_percentage=options.validation_split_percentage,

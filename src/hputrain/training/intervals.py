@@ -7,6 +7,7 @@ intervals here only say which steps inside the run do.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..callbacks.early_stopping import lower_is_better, metric_key, metric_value
@@ -103,3 +104,16 @@ class BestCheckpoint:
         if limit is None or self.folder is None or self.folder == saved:
             return limit
         return max(limit, 2)
+
+
+def total_steps_of(batches, max_steps: int, num_train_epochs: float) -> int:
+    """The run's optimizer steps: max_steps when set, else the epochs' worth of global batches."""
+    if batches.steps_per_epoch == 0:
+        raise InputError(f"the training set ({batches.num_samples} samples) is smaller than "
+                         f"one global batch ({batches.global_batch_size} samples): lower "
+                         "per_device_train_batch_size or gradient_accumulation_steps")
+    if max_steps > 0:
+        return max_steps
+    if batches.steps_per_epoch is None:
+        raise InputError("an iterable train_dataset has no length: set max_steps")
+    return math.ceil(num_train_epochs * batches.steps_per_epoch)

@@ -60,6 +60,14 @@ def _storage_of(tensor):
     return local.untyped_storage()
 
 
+def flops_per_token(model) -> float:
+    """Training FLOPs per token: the model's own count when it has one (the built-in GPT counts
+    attention too), else 6 per trainable parameter (forward 2, backward 4)."""
+    if hasattr(model, "flops_per_token"):
+        return model.flops_per_token()
+    return 6 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def job_peak_flops(accelerator, dtype, world_size: int) -> tuple[float | None, float | None]:
     """(published, measured) peak FLOP/s of the whole job for `dtype`: the device's published
     dense peak where it has one, and the rate its own probe measured where it has one (the CPU's

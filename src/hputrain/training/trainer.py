@@ -45,12 +45,12 @@ from ..execution import modes as execution
 from ..execution.precision import select_precision
 from . import evaluation
 from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
-from .intervals import BestCheckpoint, Intervals
+from .intervals import BestCheckpoint, Intervals, total_steps_of
 from .loss import TokenCount, batch_size
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS, PackedInputs
 from .signals import StopSignals
-from .telemetry import ThroughputClock, job_peak_flops
+from .telemetry import ThroughputClock, flops_per_token, job_peak_flops
 
 
 @dataclass
@@ -152,7 +152,7 @@ class Trainer:
         args, settings, accelerator = self.args, self.settings, self.accelerator
         _seed_everything(args.seed)
         batches = self.train_batches()
-        total_steps = self.total_steps = self._total_steps(batches)
+        total_steps = self.total_steps = total_steps_of(batches, args.max_steps, args.num_train_epochs)
         intervals = Intervals(settings.schedule, batches.steps_per_epoch, total_steps)
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
@@ -251,7 +251,8 @@ class Trainer:
             self._save(batches)
         if self.best.folder is not None and self._stop_signal is None:
             self._load_best()
-        summary = {"step": step, **clock.summary(self._flops_per_token(), *self._peak_flops()),
+        peaks = job_peak_flops(self.accelerator, self.precision.compute_dtype, self.group.world_size)
+        summary = {"step": step, **clock.summary(flops_per_token(self.model), *peaks),
                    **watch.summary()}
         if fallbacks := self.kernels.get(kernels.FALLBACK):  # calls a fused kernel could not take
             summary["attention_fallback_calls"] = fallbacks
@@ -415,9 +416,15 @@ class Trainer:
             "grad_norm": grad_norm.item() if grad_norm is not None else None,
             "tokens_per_second": clock.interval_rate(),
             **self.accelerator.memory_stats(),
+            **self.method_metrics(),
         }
         self._call("on_log", record)
         return record["loss"]
+
+    def method_metrics(self) -> dict:
+        """What a training method adds to each logging record, over the steps since the last one
+        (DPO's rewards and log-probs: training/dpo.py); language modelling adds nothing."""
+        return {}
 
     def _agree_before_save(self, logged_loss: torch.Tensor, steps: int) -> None:
         """Before a save, one more agreement (_agree): the loss summed since the last log must be
@@ -504,26 +511,6 @@ class Trainer:
         return LoaderOptions(args.dataloader_num_workers,
                              args.dataloader_pin_memory and self.accelerator.pins_memory() and host_can_pin(),
                              args.dataloader_prefetch_factor)
-
-    def _total_steps(self, batches: MicroBatches) -> int:
-        if batches.steps_per_epoch == 0:
-            raise InputError(f"the training set ({batches.num_samples} samples) is smaller than "
-                             f"one global batch ({batches.global_batch_size} samples): lower "
-                             "per_device_train_batch_size or gradient_accumulation_steps")
-        if self.args.max_steps > 0:
-            return self.args.max_steps
-        if batches.steps_per_epoch is None:
-            raise InputError("an iterable train_dataset has no length: set max_steps")
-        return math.ceil(self.args.num_train_epochs * batches.steps_per_epoch)
-
-    def _flops_per_token(self) -> float:
-        if hasattr(self.model, "flops_per_token"):
-            return self.model.flops_per_token()
-        return 6 * sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def _peak_flops(self) -> tuple[float | None, float | None]:
-        """(published, measured) peak FLOP/s of the job for the precision's compute dtype."""
-        return job_peak_flops(self.accelerator, self.precision.compute_dtype, self.group.world_size)
 
     # -- output and checkpoints ----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> None:

@@ -1,0 +1,110 @@
+"""`hputrain train --model DIR --dataset pairs.jsonl`: preference training (DPO) of a local Hugging
+Face model on rows of prompt, chosen and rejected (training/dpo.py, data/preference.py).
+
+The reference, cheapest first: `--precompute-ref-log-probs` (one pass before training, cached),
+the adapter-disabled base under `--lora-r`, `--ref-model DIR`, else a frozen copy of the starting
+weights. Validation: the data set's own "validation" split, else the last
+--validation-split-percentage of the pairs. The output is what `hputrain train` writes for SFT:
+final/ with the tokenizer, or the PEFT adapter.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config.preference import DPOConfig, preference_values
+from ..data.preference import PairStats, encode_pairs, pair_shape
+from ..errors import InputError
+from . import hf_data
+
+SHAPES = {"prompt_chosen_rejected": "DPO on preference pairs ('prompt', 'chosen', 'rejected')",
+          "implicit_prompt": "DPO on preference pairs ('chosen', 'rejected', the shared start as "
+                             "the prompt)"}
+
+
+def run_dpo(options, training_args, accelerator_config, folder: Path, model, tokenizer,
+            block_size: int, ref_model, ref_folder: Path | None) -> int:
+    """Train `model` (LoRA already added under --lora-r) against `ref_model`: --ref-model's
+    (loaded from `ref_folder`), a frozen copy of the starting weights, or None under LoRA."""
+    from ..training.dpo import DPOTrainer
+    from .finish import report_outputs, save_final, write_recipe
+    from .hf_sft import use_chat_template
+
+    use_chat_template(tokenizer, options.chat_template)
+    train, validation, stats = load_pairs(options, tokenizer, block_size)
+    if ref_folder is not None:
+        reference, ref_key = f"--ref-model {ref_folder}", _identity(ref_folder)
+    elif ref_model is None:
+        reference = "the base model with the LoRA adapters disabled"
+        ref_key = f"{_identity(folder)}:adapters-disabled"
+    else:
+        reference = "a frozen copy of the starting weights"
+        ref_key = f"{_identity(folder)}:start:{options.from_scratch and training_args.seed}"
+    config = DPOConfig(**dataclasses.asdict(training_args), **preference_values(options),
+                       max_length=block_size, ref_key=ref_key)
+    trainer = DPOTrainer(model, config, ref_model=ref_model, train_dataset=train,
+                         eval_dataset=validation, processing_class=tokenizer,
+                         accelerator_config=accelerator_config)
+    if trainer.group.is_main:
+        print(_header(options, model, stats, len(train), len(validation or ()), block_size,
+                      reference, pair_shape(hf_data.columns_of(options.dataset) or [])))
+    output = trainer.train()
+    final = save_final(trainer, output)
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(training_args.output_dir, {"recipe": dataclasses.asdict(options),
+                                            "block_size": block_size, "method": "dpo"})
+    status = report_outputs(trainer, output)
+    if status is None and final is not None:
+        print(f"reference forwards: {trainer.objective.reference_forwards} during training, "
+              f"{trainer.precompute_forwards} to precompute")
+    return status or 0
+
+
+def load_pairs(options, tokenizer, block_size: int):
+    """(training pairs, validation pairs or None, PairStats of every split)."""
+    encode = {"max_length": block_size, "max_prompt_length": options.max_prompt_length}
+    path, percentage = options.dataset, options.validation_split_percentage
+    pairs, stats = encode_pairs(hf_data.records(path), tokenizer, **encode)
+    if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
+        held, more = encode_pairs(hf_data.records(path, hf_data.VALIDATION_SPLIT), tokenizer, **encode)
+        stats = PairStats(*(getattr(stats, f.name) + getattr(more, f.name)
+                            for f in dataclasses.fields(PairStats)))
+    elif percentage > 0:
+        count = max(1, int(len(pairs) * percentage / 100))
+        if count >= len(pairs):
+            raise InputError(f"--dataset {path} has {len(pairs)} pair(s), too few to hold "
+                             f"{percentage:g}% out for validation: give more rows, or "
+                             "--validation-split-percentage 0")
+        pairs, held = pairs[:-count], pairs[-count:]
+    else:
+        held = None
+    if not pairs:
+        raise InputError(f"--dataset {path}: no pair is left to train on (every prompt fills "
+                         f"--block-size {block_size})")
+    return pairs, held or None, stats
+
+
+def _identity(folder: Path) -> str:
+    """A model folder's identity for the reference cache: its path and its weight files' sizes
+    and modification times (a changed file is a new reference)."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    return repr([str(folder.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                           for p in files])
+
+
+def _header(options, model, stats: PairStats, train: int, held: int, block_size: int,
+            reference: str, shape: str) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    smoothing = f", label_smoothing {options.label_smoothing:g}" if options.label_smoothing else ""
+    precomputed = (" (log-probs precomputed once, cached in output_dir/.cache)"
+                   if options.precompute_ref_log_probs else "")
+    return (f"hputrain: {type(model).__name__} from {options.model}: {total:,} parameters, "
+            f"{trainable:,} trained\n"
+            f"hputrain: method: {SHAPES[shape]}\n"
+            f"hputrain: loss {options.loss_type}, beta {options.beta:g}{smoothing}; reference: "
+            f"{reference}{precomputed}\n"
+            f"hputrain: {stats.rows} rows, {train} training and {held} validation pairs, "
+            f"{stats.prompt_fills_block} left out (prompt fills --block-size {block_size}), "
+            f"{stats.truncated} cut to {block_size} tokens\n")

@@ -1,0 +1,322 @@
+"""Direct preference optimisation: TRL's DPO loss and metrics as an objective the training loop
+calls, and `DPOTrainer`, the Trainer that trains with it.
+
+A batch holds each pair's chosen sequence and rejected sequence (data/preference.py), which go
+through the model in one forward. A completion's log-probability is the sum of its tokens'
+log-probabilities (the prompt and the padding left out); the reference's comes from one of
+(cheapest first):
+
+- the batch itself, precomputed once before training (precompute_ref_log_probs, cached under
+  output_dir/.cache, so a resume or a rerun runs no reference forward at all);
+- the policy with its LoRA adapters disabled (a PEFT model and no ref_model): no second copy;
+- a separate frozen model (ref_model), placed like the policy (sharded under fsdp).
+
+The loss of a step is the mean over the pairs of its global batch, however the batch is split
+into micro-batches and ranks: the Trainer weighs each micro-batch's mean by its share of the
+step's pairs (loss.py's rule, with pairs for tokens). The metrics carry TRL's names
+(rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
+logps/rejected): summed on the device each micro-batch and read back only at logging steps.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config.preference import DPOConfig
+from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
+from ..distributed.placement import move_to_device
+from ..errors import InputError
+from .evaluation import logits_of
+from .loss import IGNORE_INDEX
+from .trainer import Trainer
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+"""TRL's metric names, in the order the objective sums them."""
+
+
+def preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *,
+                    beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                    chosen_tokens=None, rejected_tokens=None) -> torch.Tensor:
+    """Each pair's loss, as TRL 1.16's DPOTrainer computes it for these loss types (sigmoid with
+    label smoothing is conservative DPO, as TRL computed it up to 0.2x). `*_tokens`: completion
+    token counts, which ipo divides by."""
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    logits = beta * (chosen_ratio - rejected_ratio)
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return torch.relu(1 - logits)
+    if loss_type == "ipo":
+        delta = (chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1))
+        return (delta - 1 / (2 * beta)) ** 2
+    raise InputError(f"loss_type {loss_type!r} is not one hputrain computes")
+
+
+def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor,
+                     completion_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its completion tokens (the model predicts token t
+    from the positions before it), computed in float32."""
+    labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
+    per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.sum(dim=1)
+
+
+class PreferenceObjective:
+    """The DPO loss of a batch, as `compute_loss(module, batch)`: the mean over its pairs. Sums
+    the metrics on the device (`take_metrics` reads them) and counts reference forwards."""
+
+    def __init__(self, config: DPOConfig, call, reference=None, adapters=None) -> None:
+        self.config = config
+        self.call = call  # (module, batch) -> the model's output
+        self.reference = reference  # a frozen module, or None
+        self.adapters = adapters  # a PEFT model whose disabled adapters give the reference
+        self.reference_forwards = 0
+        self.sums: torch.Tensor | None = None
+        self.pairs = 0  # this rank's pairs summed into `sums`
+
+    def __call__(self, module, batch) -> torch.Tensor:
+        logps = self._logps(module, batch)
+        ref_logps = batch.get("ref_logps")
+        if ref_logps is None:
+            ref_logps = self.reference_logps(module, batch)
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = ref_logps.to(logps.dtype).chunk(2)
+        tokens = batch["completion_mask"].sum(dim=1).chunk(2)
+        cfg = self.config
+        losses = preference_loss(chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta,
+                                 loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+                                 chosen_tokens=tokens[0], rejected_tokens=tokens[1])
+        self._add_metrics(chosen.detach(), rejected.detach(), ref_chosen, ref_rejected)
+        return losses.mean()
+
+    def reference_logps(self, module, batch) -> torch.Tensor:
+        """The reference's log-probabilities of the batch's completions (no gradient)."""
+        self.reference_forwards += 1
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logps(self.reference, batch)
+            with self.adapters.disable_adapter():
+                return self._logps(module, batch)
+
+    def _logps(self, module, batch) -> torch.Tensor:
+        logits = logits_of(self.call(module, batch))
+        return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
+
+    def _add_metrics(self, chosen, rejected, ref_chosen, ref_rejected) -> None:
+        beta = self.config.beta
+        chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+        sums = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                            (chosen_rewards > rejected_rewards).float().sum(),
+                            (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum()])
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.pairs += chosen.shape[0]
+
+    def take_metrics(self, group, prefix: str = "") -> dict:
+        """The metrics' means over every rank's pairs since the last call (one device read), then
+        zeroed. Every rank calls it (an all-reduce)."""
+        if self.sums is None:
+            return {}
+        sums = torch.cat([self.sums.float(), torch.tensor([float(self.pairs)]).to(self.sums.device)])
+        sums = group.all_reduce_sum(sums).tolist()
+        self.sums, self.pairs = None, 0
+        pairs = max(sums[-1], 1.0)
+        return {f"{prefix}{name}": value / pairs for name, value in zip(METRICS, sums)}
+
+
+class PairCount:
+    """What a DPO step's loss is the mean of: pairs (in place of loss.TokenCount's tokens)."""
+
+    takes_item_count = False
+    shifts_labels = False
+
+    def __call__(self, batch) -> int:
+        return pairs_in(batch)
+
+
+class DPOTrainer(Trainer):
+    """A Trainer whose loss is DPO's (see the module docstring). `train_dataset` and
+    `eval_dataset` are preference rows (prompt / chosen / rejected, text or messages, encoded
+    with `processing_class`) or pairs already encoded (data/preference.py). `ref_model`: the
+    reference; None means the adapter-disabled base of a PEFT model, else a frozen copy of the
+    starting weights (the recipe passes that copy: the Trainer never deep-copies a model)."""
+
+    def __init__(self, model, args: DPOConfig | dict | None = None, ref_model=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, **kwargs) -> None:
+        args = args if isinstance(args, DPOConfig) else DPOConfig(**(args or {}))
+        ref_key = args.ref_key or (_fingerprint(ref_model if ref_model is not None else model)
+                                   if args.precompute_ref_log_probs else None)
+        pad = _pad_id(processing_class)
+        train_dataset, eval_dataset = (_encoded(d, processing_class, args)
+                                       for d in (train_dataset, eval_dataset))
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, **kwargs)
+        if self.group.cp_size > 1:
+            raise InputError("DPO under context parallelism is not supported: "
+                             "set context_parallel_size=1")
+        self.collate = PairCollator(pad, args.max_length or _longest(train_dataset, eval_dataset))
+        adapters = model if ref_model is None and hasattr(model, "disable_adapter") else None
+        if ref_model is None and adapters is None:
+            raise InputError("DPO needs a reference: pass ref_model (a frozen copy of the starting "
+                             "model), train LoRA adapters, or precompute_ref_log_probs with ref_model")
+        self.ref_key = ref_key
+        self.precompute_forwards = 0  # reference forwards run by precompute_reference
+        self.objective = PreferenceObjective(args, self._call_model, self._place(ref_model), adapters)
+        self.compute_loss = self.objective
+        self.count_tokens = PairCount()  # the step's loss is a mean over pairs
+
+    @property
+    def _collate(self):
+        return self.collate  # pairs keep every key: the collator builds the model's inputs
+
+    def _call_model(self, module, batch):
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        if self.inputs is None or "use_cache" in self.inputs:
+            inputs["use_cache"] = False  # no key/value cache in a training forward
+        return module(**inputs)
+
+    def _place(self, ref_model):
+        """The reference on this rank's device in the policy's precision, frozen; sharded like the
+        policy under fsdp (whose forward is a collective)."""
+        if ref_model is None:
+            return None
+        ref_model = self.precision.convert_module(ref_model).requires_grad_(False).eval()
+        if self.strategy.shards_state:
+            return self.strategy.wrap(self.strategy.place(ref_model, self.device))
+        return move_to_device(ref_model, self.device)
+
+    def method_metrics(self) -> dict:
+        return self.objective.take_metrics(self.group)
+
+    def evaluate(self, eval_dataset=None) -> dict:
+        """eval_loss (the mean over pairs) and the metrics with eval_ names."""
+        self.objective.take_metrics(self.group)  # what training summed since its last log
+        metrics = super().evaluate(_encoded(eval_dataset, self.processing_class, self.args))
+        metrics.pop("eval_perplexity", None)  # exp of a DPO loss means nothing
+        return {**metrics, **self.objective.take_metrics(self.group, prefix="eval_")}
+
+    def train(self, resume_from_checkpoint: str | None = None):
+        if self.args.precompute_ref_log_probs:
+            with self._model_on_device():
+                self.train_dataset = self.precompute_reference(self.train_dataset)
+            if self.objective.reference is not None:  # no longer needed: free its memory
+                self.objective.reference = None
+        return super().train(resume_from_checkpoint)
+
+    def precompute_reference(self, pairs: list[dict]) -> list[dict]:
+        """`pairs` with the reference's log-probabilities, computed once (every rank, in the same
+        batches) and cached under output_dir/.cache by the pairs, the reference and the tokenizer;
+        read from there when present (0 reference forwards)."""
+        cache = Path(self.args.output_dir) / ".cache" / f"dpo-ref-{self._cache_key(pairs)}.npy"
+        values = _read_logps(cache, len(pairs))
+        if values is None:
+            values = self._reference_pass(pairs)
+            self.precompute_forwards += self.objective.reference_forwards
+            self.objective.reference_forwards = 0  # those counted from here on are training's
+            if self.group.is_main:
+                _write_logps(cache, values)
+            self.group.barrier()
+        return [{**pair, REF_KEYS[0]: float(c), REF_KEYS[1]: float(r)}
+                for pair, (c, r) in zip(pairs, values)]
+
+    def _reference_pass(self, pairs: list[dict]) -> np.ndarray:
+        size, values = self.args.per_device_eval_batch_size, []
+        module = self.wrapped
+        self.model.eval()
+        try:
+            for start in range(0, len(pairs), size):
+                batch = self.collate([{k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                                      for p in pairs[start:start + size]])
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                with self._forward_context():
+                    logps = self.objective.reference_logps(module, batch)
+                self.accelerator.mark_step()
+                values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
+        finally:
+            self.model.train()
+        return np.concatenate(values).astype(np.float64)
+
+    def _cache_key(self, pairs: list[dict]) -> str:
+        digest = hashlib.sha256()
+        for pair in pairs:
+            for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+                digest.update(np.asarray(pair[key], dtype=np.int64).tobytes() + b"|")
+        tokenizer = self.processing_class
+        digest.update(repr((self.ref_key, str(self.precision.compute_dtype),
+                            getattr(tokenizer, "name_or_path", None), len(tokenizer or ()),
+                            getattr(tokenizer, "chat_template", None))).encode())
+        return digest.hexdigest()[:24]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _encoded(dataset, tokenizer, config: DPOConfig):
+    """Preference rows encoded (a list of pairs); pairs already encoded pass through."""
+    if dataset is None:
+        return None
+    rows = list(dataset)
+    if not rows or all(key in rows[0] for key in ("prompt_ids", "chosen_ids", "rejected_ids")):
+        return rows
+    if tokenizer is None:
+        raise InputError("DPOTrainer needs processing_class (the tokenizer) to encode preference rows")
+    pairs, _ = encode_pairs(((f"row {i + 1}", row) for i, row in enumerate(rows)), tokenizer,
+                            max_length=config.max_length, max_prompt_length=config.max_prompt_length)
+    return pairs
+
+
+def _pad_id(tokenizer) -> int:
+    if tokenizer is None:
+        return 0
+    return next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+
+
+def _longest(*datasets) -> int:
+    return max((len(p["prompt_ids"]) + max(len(p["chosen_ids"]), len(p["rejected_ids"]))
+                for d in datasets if d for p in d), default=2)
+
+
+def _fingerprint(model) -> str:
+    """A reference's identity for the cache, from its weights: names, shapes and two sums per
+    tensor (a pass over the weights, no copy). Meta tensors give names and shapes only."""
+    if model is None:
+        return "none"
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            if tensor.is_floating_point() and tensor.device.type != "meta":
+                t = tensor.detach().double()
+                digest.update(np.asarray([t.sum().item(), (t * t).sum().item()]).tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _read_logps(path: Path, count: int) -> np.ndarray | None:
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return values if values.shape == (count, 2) else None
+
+
+def _write_logps(path: Path, values: np.ndarray) -> None:
+    """Written beside its name and renamed: a kill mid-write leaves no half file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npy")
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, values)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise InputError(f"the reference cache {path.parent} cannot be written: {exc.strerror}") from None
+
