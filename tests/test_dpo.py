@@ -359,3 +359,95 @@ def test_bad_input_is_one_line_and_exit_2(models, tmp_path, capsys, rows, flags,
     assert status == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+# -- several processes -----------------------------------------------------------------------------
+
+def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
+    import subprocess
+    import sys
+
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu", *args,
+                           "--output-dir", str(out), "--logging-steps", "1", "--disable-tqdm",
+                           "--validation-split-percentage", "0", "--precision", "fp32"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, reference", [
+    pytest.param("ddp", "lora", marks=pytest.mark.ci), ("fsdp", "frozen copy")])
+def test_two_processes_train_as_one_with_the_same_global_batch(models, tmp_path, strategy, reference):
+    """2 processes × 2 pairs equal 1 process × 4 pairs: ddp with the adapter-disabled reference,
+    fsdp with a frozen copy sharded like the policy."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(4))
+    common = ["--model", str(models[0]), "--dataset", str(data), "--max-steps", "2", "--seed", "5",
+              "--learning-rate", "1e-2",  # LoRA without dropout: each rank would draw other masks
+              *(["--lora-r", "4", "--lora-dropout", "0"] if reference == "lora" else [])]
+    one = launch(tmp_path, "one", *common, "--per-device-train-batch-size", "4")
+    two = launch(tmp_path, "two", *common, "--per-device-train-batch-size", "2", "--devices", "2",
+                 "--strategy", strategy)
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/rejected"):
+            assert a[key] == pytest.approx(b[key], abs=2e-5, rel=1e-5), (a["step"], key)
+    assert (tmp_path / "two" / "final").is_dir()
+
+
+def summary_of(out: Path) -> dict:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "graph_compiles" in line][-1]
+
+
+def test_lazy_mode_compiles_nothing_after_warm_up(models, tmp_path):
+    """Chosen and rejected padded to a few static lengths: after the warm-up steps, DPO steps
+    (policy forward, adapter-disabled reference forward, backward) compile no new graph."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(12))
+    train(tmp_path, "lazy", "--model", str(models[0]), "--dataset", str(data), "--lora-r", "4",
+          "--max-steps", "6", "--per-device-train-batch-size", "2", "--execution-mode", "lazy",
+          "--throughput-warmup-steps", "2", "--logging-steps", "3")
+    summary = summary_of(tmp_path / "lazy")
+    assert summary["graph_compiles"] > 0  # lazy mode really ran
+    assert summary["graph_compiles_after_warmup"] == 0
+
+
+def test_gradient_checkpointing_changes_no_number(models, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows())
+    common = ["--model", str(models[0]), "--ref-model", str(models[1]), "--dataset", str(data),
+              "--max-steps", "2", "--per-device-train-batch-size", "3", "--learning-rate", "1e-2"]
+    plain = train(tmp_path, "plain", *common)
+    checkpointed = train(tmp_path, "ckpt", *common, "--gradient-checkpointing")
+    for a, b in zip(plain, checkpointed):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+# -- the Python API --------------------------------------------------------------------------------
+
+def test_python_api_trains_a_datasets_dataset_with_trl_names(models, tmp_path):
+    import hputrain
+
+    peft = pytest.importorskip("peft")
+    datasets = pytest.importorskip("datasets")
+    policy = peft.get_peft_model(load(models[0]), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    args = hputrain.DPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=3,
+                              beta=0.2, logging_steps=1, report_to="none", disable_tqdm=True)
+    trainer = hputrain.DPOTrainer(policy, args, train_dataset=datasets.Dataset.from_list(text_rows()),
+                                  processing_class=tokenizer_of(models[0]))
+    output = trainer.train()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert output.global_step == 2 and trainer.objective.reference_forwards == 2
+
+
+@pytest.mark.parametrize("name, says", [("rpo_alpha", "is not computed here"),
+                                        ("padding_free", "static lengths"),
+                                        ("fp16", "use bf16=True"), ("betta", "did you mean 'beta'")])
+def test_trl_names_hputrain_does_not_take_are_one_line(name, says):
+    from hputrain.config.fields import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        DPOConfig(**{name: 1})

@@ -90,8 +90,25 @@ TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {
     "use_fused_rope": "is not available: transformers has no public hook on its rotary "
                       "embeddings (docs/kernels.md)",
 }
+_DPO_NOT_HERE = "is not computed here (hputrain's DPO: beta, loss_type, label_smoothing)"
+DPO_CONFIG = {
+    **{name: _DPO_NOT_HERE for name in """rpo_alpha ld_alpha use_weighting f_divergence_type
+        f_alpha_divergence_coef loss_weights discopop_tau sync_ref_model ref_model_mixup_alpha
+        ref_model_sync_steps use_liger_loss base_model_attribute_name""".split()},
+    "max_completion_length": "is not taken: max_length cuts prompt + completion (keep_start)",
+    "truncation_mode": "is keep_start always (TRL deprecates keep_end)",
+    "padding_free": "is not needed: pairs are padded to a few static lengths (lazy mode compiles a "
+                    "bounded set of graphs)",
+    "precompute_ref_batch_size": "is per_device_eval_batch_size here",
+    "model_init_kwargs": "is not taken: pass the model itself",
+    "ref_model_init_kwargs": "is not taken: pass ref_model itself",
+    "generate_during_eval": "is not supported: generate with `hputrain generate --model final/`",
+    "dataset_num_proc": "is not needed: pairs are encoded once, in the main process",
+}
+"""TRL's DPOConfig names DPOConfig does not take, beside the Trainer's (TRAINING_ARGUMENTS)."""
 # by the class name of the settings dataclass the names are refused in
-FOREIGN_NAMES = {"TrainingArguments": TRAINING_ARGUMENTS}
+FOREIGN_NAMES = {"TrainingArguments": TRAINING_ARGUMENTS,
+                 "DPOConfig": {**TRAINING_ARGUMENTS, **DPO_CONFIG}}
 
 OPTIMIZERS = {name: f"{_YET}: hputrain trains with AdamW ({', '.join(names.OPTIMIZERS)})" for name in
                   """adamw_hf adamw_torch_xla adamw_torch_npu_fused adamw_apex_fused adafactor

@@ -61,6 +61,14 @@ class FSDP(Strategy):
             materialise(model, self.device, self.seed)
         return model
 
+    def place_frozen(self, model, device):
+        """Sharded like the trained model (its forward gathers each block in turn), from the
+        weights it has: never drawn again on the meta device as fsdp_init_on_meta does."""
+        model = move_to_device(model, device)
+        if self.group.distributed:
+            self._shard(model)
+        return model
+
     def _shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

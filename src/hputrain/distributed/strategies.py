@@ -33,6 +33,11 @@ class Strategy:
         """The module the training step calls."""
         return model
 
+    def place_frozen(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """A frozen model called beside the trained one (DPO's reference), ready to call: on the
+        device, nothing to wrap (no gradient to reduce)."""
+        return move_to_device(model, device)
+
     def gradient_sync(self, module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """Entered around a micro-batch's backward; `sync` is True on the step's last one."""
         return contextlib.nullcontext()

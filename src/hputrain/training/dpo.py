@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from ..config.preference import DPOConfig
 from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
-from ..distributed.placement import move_to_device
 from ..errors import InputError
 from .evaluation import logits_of
 from .loss import IGNORE_INDEX
@@ -65,12 +64,14 @@ def preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
 
 def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor,
                      completion_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its completion tokens (the model predicts token t
-    from the positions before it), computed in float32."""
-    labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
-    per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
+    """Each row's summed log-probability of its completion tokens (position t predicts token
+    t + 1), computed in float32. The labels are shifted, not the logits (as transformers' causal
+    loss does it): a sliced [:, :-1] copy of the logits would be one more vocabulary-wide tensor."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
+    per_token = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="none")
-    return per_token.sum(dim=1)
+    return per_token.view(labels.shape).sum(dim=1)
 
 
 class PreferenceObjective:
@@ -87,10 +88,11 @@ class PreferenceObjective:
         self.pairs = 0  # this rank's pairs summed into `sums`
 
     def __call__(self, module, batch) -> torch.Tensor:
-        logps = self._logps(module, batch)
+        # the reference first: its logits are freed before the policy's forward keeps its own
         ref_logps = batch.get("ref_logps")
         if ref_logps is None:
             ref_logps = self.reference_logps(module, batch)
+        logps = self._logps(module, batch)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.to(logps.dtype).chunk(2)
         tokens = batch["completion_mask"].sum(dim=1).chunk(2)
@@ -192,9 +194,7 @@ class DPOTrainer(Trainer):
         if ref_model is None:
             return None
         ref_model = self.precision.convert_module(ref_model).requires_grad_(False).eval()
-        if self.strategy.shards_state:
-            return self.strategy.wrap(self.strategy.place(ref_model, self.device))
-        return move_to_device(ref_model, self.device)
+        return self.strategy.place_frozen(ref_model, self.device)
 
     def method_metrics(self) -> dict:
         return self.objective.take_metrics(self.group)
