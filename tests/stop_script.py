@@ -136,9 +136,9 @@ class Inject(Callback):
         step = lambda: trainer.global_step + 1  # the step under way (global_step counts those done)
         agree, host_sum, barrier = trainer._agree_to_stop, trainer.group.host_sum, trainer.group.barrier
 
-        def agree_to_stop(counts):
+        def agree_to_stop(counts, seen):
             self.fire("before_agreement", step())
-            return agree(counts)
+            return agree(counts, seen)
 
         def wrapped_host_sum(values):
             in_agreement = called_from("_agree_to_stop")

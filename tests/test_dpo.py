@@ -451,3 +451,19 @@ def test_trl_names_hputrain_does_not_take_are_one_line(name, says):
 
     with pytest.raises(ConfigError, match=says):
         DPOConfig(**{name: 1})
+
+
+def test_throughput_counts_the_tokens_of_the_sequences(models, tmp_path):
+    """A DPO step's loss is a mean over pairs, but its throughput counts tokens: every sequence's,
+    chosen and rejected, without the padding."""
+    row = text_rows(1)[0]
+    data = write_jsonl(tmp_path / "pairs.jsonl", [row] * 8)
+    train(tmp_path, "run", "--model", str(models[0]), "--dataset", str(data), "--lora-r", "4",
+          "--max-steps", "6", "--per-device-train-batch-size", "2", "--throughput-warmup-steps", "1")
+    summary = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if "train_tokens_per_second" in line][-1]
+    (pair,), _ = encode_pairs([("row", row)], tokenizer_of(models[0]), max_length=128)
+    tokens_per_sequence = (2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"])
+                           + len(pair["rejected_ids"])) / 2
+    ratio = summary["train_tokens_per_second"] / summary["train_samples_per_second"]
+    assert ratio == pytest.approx(tokens_per_sequence, rel=1e-6)

@@ -146,6 +146,11 @@ class PairCount:
     def __call__(self, batch) -> int:
         return pairs_in(batch)
 
+    def seen(self, batches: list, counts: list[int]) -> int:
+        """Throughput counts the tokens of the sequences (prompts and completions, chosen and
+        rejected, no padding)."""
+        return sum(int(batch["attention_mask"].sum()) for batch in batches)
+
 
 class DPOTrainer(Trainer):
     """A Trainer whose loss is DPO's (see the module docstring). `train_dataset` and

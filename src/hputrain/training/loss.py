@@ -54,6 +54,12 @@ class TokenCount:
         return batch_size(batch)
 
 
+    def seen(self, batches: list, counts: list[int]) -> int:
+        """The tokens a step's throughput counts: the counted ones (a method whose loss counts
+        other units, such as DPO's pairs, says otherwise)."""
+        return sum(counts)
+
+
 def batch_size(batch) -> int:
     """Samples in a batch: the first dimension of its first tensor (text columns are lists)."""
     values = batch.values() if isinstance(batch, dict) else (

@@ -121,7 +121,7 @@ class Trainer:
             self.wrapped = execution.compile_model(self.wrapped, self.settings.execution, self.accelerator)
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
-        self._step_tokens = 0  # counted tokens of the current step's global batch (see loss.py)
+        self._step_tokens = self._step_seen = 0  # counted tokens of the step's global batch (loss.py)
         self._graphed = None  # the captured inference module, built on first use
         self.global_step = self.total_steps = 0
         self.should_stop = False  # set by a callback to end training after the current step
@@ -179,7 +179,7 @@ class Trainer:
                 counts = [self.count_tokens(batch) for batch in step_batches]
                 # Every rank leaves the loop here, at the same step: a signal or a callback's
                 # should_stop on any rank, noted since the previous agreement, stops them all.
-                if self._agree_to_stop(counts):
+                if self._agree_to_stop(counts, self.count_tokens.seen(step_batches, counts)):
                     break
                 watch.step_begin(self.global_step + 1)
                 self._call("on_step_begin")
@@ -210,7 +210,7 @@ class Trainer:
                 self._call("on_step_end")
                 steps_since_log += 1
                 # samples are shared by a context-parallel group; tokens are counted globally
-                clock.step_done(samples * self.group.dp_size, self._step_tokens)
+                clock.step_done(samples * self.group.dp_size, self._step_seen)
 
                 if intervals.logs(self.global_step):
                     clock.pause()  # the read-back below is the only host sync of the loop
@@ -314,12 +314,13 @@ class Trainer:
         # a mean over the micro-batch's own tokens, weighted by their share (changes every step)
         return self._loss(batch) * self._on_device_scalar(count * ranks / total)
 
-    def _agree_to_stop(self, counts: list[int]) -> bool:
+    def _agree_to_stop(self, counts: list[int], seen: int) -> bool:
         """Before each step, one small host all-reduce (no device sync) that every rank reaches:
-        the global batch's counted tokens, and whether the ranks stop before this step (_agree).
-        A stop then ends the same step on every rank, which save one checkpoint together."""
-        (tokens,) = self._agree([sum(counts)])
-        self._step_tokens = int(tokens)
+        the global batch's counted tokens (and the tokens the throughput counts: `seen`), and
+        whether the ranks stop before this step (_agree). A stop then ends the same step on
+        every rank, which save one checkpoint together."""
+        tokens, seen = self._agree([sum(counts), seen])
+        self._step_tokens, self._step_seen = int(tokens), int(seen)
         return self._stopping
 
     def _agree(self, values: list[float]) -> list[float]:
