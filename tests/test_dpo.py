@@ -467,3 +467,28 @@ def test_throughput_counts_the_tokens_of_the_sequences(models, tmp_path):
                            + len(pair["rejected_ids"])) / 2
     ratio = summary["train_tokens_per_second"] / summary["train_samples_per_second"]
     assert ratio == pytest.approx(tokens_per_sequence, rel=1e-6)
+
+
+def test_evaluation_between_logs_leaves_the_training_metrics_whole(models, tmp_path):
+    """Evaluating every step while logging every second step: each log's rewards are still the
+    mean over both of its steps (compared with the same run logging every step)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(6) + text_rows(2))
+
+    def run(name: str, *flags: str) -> list[dict]:
+        out = tmp_path / name
+        assert main(["train", "--model", str(models[0]), "--ref-model", str(models[1]),
+                     "--dataset", str(data), "--max-steps", "4", "--per-device-train-batch-size",
+                     "3", "--learning-rate", "1e-2", "--validation-split-percentage", "25",
+                     "--disable-tqdm", "--precision", "fp32", "--output-dir", str(out),
+                     *flags]) == 0
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    records = run("eval", "--logging-steps", "2", "--eval-steps", "1")
+    every = [r for r in run("every", "--logging-steps", "1") if "rewards/margins" in r]
+    logged = [r for r in records if "rewards/margins" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    assert sum("eval_rewards/margins" in r for r in records) >= 4
+    for record in logged:
+        pair = [r for r in every if r["step"] in (record["step"] - 1, record["step"])]
+        mean = sum(r["rewards/margins"] for r in pair) / 2
+        assert record["rewards/margins"] == pytest.approx(mean, abs=1e-6)

@@ -206,10 +206,15 @@ class DPOTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None) -> dict:
         """eval_loss (the mean over pairs) and the metrics with eval_ names."""
-        self.objective.take_metrics(self.group)  # what training summed since its last log
-        metrics = super().evaluate(_encoded(eval_dataset, self.processing_class, self.args))
-        metrics.pop("eval_perplexity", None)  # exp of a DPO loss means nothing
-        return {**metrics, **self.objective.take_metrics(self.group, prefix="eval_")}
+        objective = self.objective
+        training = objective.sums, objective.pairs  # summed since the last log: kept for it
+        objective.sums, objective.pairs = None, 0
+        try:
+            metrics = super().evaluate(_encoded(eval_dataset, self.processing_class, self.args))
+            metrics.pop("eval_perplexity", None)  # exp of a DPO loss means nothing
+            return {**metrics, **objective.take_metrics(self.group, prefix="eval_")}
+        finally:
+            objective.sums, objective.pairs = training
 
     def train(self, resume_from_checkpoint: str | None = None):
         if self.args.precompute_ref_log_probs:
