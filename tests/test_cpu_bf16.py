@@ -15,7 +15,7 @@ from hputrain.accelerators import cpu as cpu_module
 from hputrain.accelerators.cpu import CPUAccelerator, measured_matmul_flops
 from hputrain.cli import main
 from hputrain.execution.precision import BF16Autocast, Precision, select_precision
-from hputrain.training.telemetry import ThroughputClock, job_peak_flops
+from hputrain.training.telemetry import ThroughputClock, flops_per_token, job_peak_flops
 from hputrain.config.sections import PrecisionSettings
 
 # The AMD EPYC: AVX2 only, bf16 matmul at ~1 GFLOP/s against ~100 in fp32.
@@ -155,7 +155,7 @@ def test_trainer_says_so_once_at_start_and_reports_mfu_vs_the_measured_peak(cpu_
     assert isinstance(trainer.precision, BF16Autocast)
     summary = trainer.train().metrics
     assert summary["mfu"] is None
-    expected = trainer._flops_per_token() * summary["throughput_tokens_per_second"] / EMULATED[torch.bfloat16]
+    expected = flops_per_token(trainer.model) * summary["throughput_tokens_per_second"] / EMULATED[torch.bfloat16]
     assert summary["mfu_vs_measured_peak"] == pytest.approx(expected)
     auto = Trainer(Regression(), TrainingArguments(output_dir=str(tmp_path), precision="auto"))
     assert type(auto.precision) is Precision and capsys.readouterr().err == ""

@@ -90,6 +90,21 @@ class Accelerator(ABC):
     def memory_stats(self) -> dict[str, float]:
         """memory_allocated_gb, max_memory_allocated_gb and total_memory_available_gb."""
 
+    def profiler_activities(self) -> list:
+        """What torch.profiler records here (the host's activity; a device adds its own)."""
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def profiler_records_memory(self) -> bool:
+        """Whether the profiler can keep a memory timeline of this device's allocations."""
+        return False
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """Whether `error` says the device ran out of memory: torch's OutOfMemoryError, or the
+        RuntimeError a runtime raises with "out of memory" in its message (Gaudi's does)."""
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
     def supports_bf16(self) -> bool:
         """Whether bfloat16 autocast runs here."""
         return True

@@ -52,6 +52,12 @@ class CUDAAccelerator(Accelerator):
             "total_memory_available_gb": total / GB,
         }
 
+    def profiler_activities(self) -> list:
+        return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+    def profiler_records_memory(self) -> bool:
+        return True
+
     def supports_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()
 

@@ -139,6 +139,12 @@ class HPUAccelerator(Accelerator):
             "total_memory_available_gb": stats["Limit"] / GB,
         }
 
+    def profiler_activities(self) -> list:
+        """The host's, and Gaudi's where this build of torch has its activity (habana_frameworks
+        adds ProfilerActivity.HPU)."""
+        hpu = getattr(torch.profiler.ProfilerActivity, "HPU", None)
+        return [torch.profiler.ProfilerActivity.CPU] + ([hpu] if hpu is not None else [])
+
     def native_bf16(self) -> bool:
         return True  # every Gaudi's matrix engines compute in bf16
 

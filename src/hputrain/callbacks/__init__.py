@@ -10,7 +10,8 @@ checkpoint as at the end of a run (unless save_steps is -1), calls on_train_end 
 train().
 
 A Trainer's callbacks are, in order: those added to every trainer (below), those passed as
-`callbacks=`, then on rank 0 the built-in writers (`reporting_callbacks`).
+`callbacks=`, then on rank 0 the built-in writers (`reporting_callbacks`), then on every rank the
+profiler when steps are asked for (`profiling_callbacks`).
 
 Callbacks added to every trainer: a tool that runs a user's unmodified script and needs to
 reach each Trainer it makes (`hputrain doctor`) wraps the run in
@@ -25,7 +26,8 @@ that folder (TrainingArguments.for_rehearsal), which is how the doctor rehearses
 """
 from .base import Callback, added_to_every_trainer, for_every_trainer
 from .early_stopping import EarlyStopping
+from .profiler import profiling_callbacks
 from .writers import reporting_callbacks, show_message
 
 __all__ = ["Callback", "EarlyStopping", "added_to_every_trainer", "for_every_trainer",
-           "reporting_callbacks", "show_message"]
+           "profiling_callbacks", "reporting_callbacks", "show_message"]

@@ -203,6 +203,18 @@ class TrainingArguments:
     fused_kernels: bool | str = "auto"
     """The device's fused kernels in Hugging Face models (attention through transformers'
     AttentionInterface, RMSNorm by a module swap): "auto" (on where not slower), True or False."""
+    profile_steps: str | None = None
+    """Run torch.profiler over these training steps ("3-4", or one step "5") with the device's
+    activities: one trace per rank in output_dir/profile/, top operations in the summary."""
+    profiling_warmup_steps: int = 0
+    """Optimum's spelling, with profiling_steps: leave out this many steps, then profile."""
+    profiling_steps: int = 0
+    """Optimum's spelling: profile this many steps after profiling_warmup_steps (0: none), the
+    same as profile_steps "{warmup + 1}-{warmup + steps}"."""
+    profiling_record_shapes: bool = True
+    """Record the operators' input shapes in the profile."""
+    profiling_with_stack: bool = False
+    """Record the Python stack of each operator in the profile (slower)."""
 
     # Hugging Face's and Optimum for Intel Gaudi's spellings, translated into the fields above
     # when the arguments are made (they then read as unset), so that their scripts run as written.
@@ -276,6 +288,7 @@ class TrainingArguments:
         check_choice("fp8_scaling", self.fp8_scaling, ("delayed", "dynamic"))
         check(self.fp8_amax_history_len >= 1,
               f"fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}")
+        self._check_profiling()
         check(self.gradient_checkpointing_every >= 1, "gradient_checkpointing_every must be at "
               f"least 1, got {self.gradient_checkpointing_every}")
         check(self.gradient_checkpointing_every == 1 or self.gradient_checkpointing,
@@ -387,6 +400,39 @@ class TrainingArguments:
         check(current in ("auto", value), f"{because} conflicts with {name}={current!r}")
         setattr(self, name, value)
 
+    def _check_profiling(self) -> None:
+        check(self.profiling_warmup_steps >= 0 and self.profiling_steps >= 0,
+              "profiling_warmup_steps and profiling_steps must not be negative")
+        if self.profiling_steps:
+            check(self.profile_steps is None, "profile_steps and profiling_steps are both set: "
+                  "keep one (profile_steps '3-4' is profiling_warmup_steps 2, profiling_steps 2)")
+            first = self.profiling_warmup_steps + 1
+            self.profile_steps = f"{first}-{first + self.profiling_steps - 1}"
+        else:
+            check(not self.profiling_warmup_steps, "profiling_warmup_steps needs profiling_steps")
+        if self.profile_steps is None:
+            return
+        first, last = self.profile_range
+        if self.max_steps > 0:
+            check(last <= self.max_steps, f"profile_steps {self.profile_steps} ends after "
+                  f"max_steps {self.max_steps}: profile steps the run reaches")
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) training step to profile, from profile_steps; None for none."""
+        if self.profile_steps is None:
+            return None
+        text = str(self.profile_steps).strip()
+        first, _, last = text.partition("-")
+        try:
+            first, last = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"profile_steps must be steps A-B (3-4) or one step (5), got "
+                              f"{self.profile_steps!r}") from None
+        check(1 <= first <= last, f"profile_steps must be A-B with 1 <= A <= B, got {text!r} "
+              "(training steps count from 1)")
+        return first, last
+
     def for_rehearsal(self, output_dir: str) -> "TrainingArguments":
         """These arguments for a dry run of the step (`hputrain doctor`): lazy mode on the CPU, in
         `output_dir`, with no checkpoint, evaluation, resume or progress bar."""
@@ -394,7 +440,8 @@ class TrainingArguments:
                                    use_graphs_for_training=False, output_dir=output_dir,
                                    save_steps=0, eval_steps=0, disable_tqdm=True,
                                    resume_from_checkpoint=None, load_best_model_at_end=False,
-                                   eval_strategy=None, save_strategy=None, logging_strategy=None)
+                                   eval_strategy=None, save_strategy=None, logging_strategy=None,
+                                   profile_steps=None, profiling_steps=0, profiling_warmup_steps=0)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainingArguments":

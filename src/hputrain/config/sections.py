@@ -128,6 +128,22 @@ class ReportingSettings(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfilingSettings(_Section):
+    """torch.profiler over a few training steps (callbacks/profiler.py)."""
+
+    output_dir: str
+    steps: tuple[int, int] | None
+    """(first, last) training step; None profiles nothing."""
+    record_shapes: bool
+    with_stack: bool
+
+    @classmethod
+    def of(cls, args):
+        return cls(output_dir=args.output_dir, steps=args.profile_range,
+                   record_shapes=args.profiling_record_shapes, with_stack=args.profiling_with_stack)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Sections:
     """Every subsystem's section of one TrainingArguments."""
 
@@ -139,6 +155,7 @@ class Sections:
     parallelism: ParallelismSettings
     activation_checkpointing: ActivationCheckpointing
     reporting: ReportingSettings
+    profiling: ProfilingSettings
 
     @classmethod
     def of(cls, args) -> Sections:
@@ -146,4 +163,4 @@ class Sections:
                    precision=PrecisionSettings.of(args), execution=ExecutionSettings.of(args),
                    data=DataSettings.of(args), parallelism=ParallelismSettings.of(args),
                    activation_checkpointing=ActivationCheckpointing.of(args),
-                   reporting=ReportingSettings.of(args))
+                   reporting=ReportingSettings.of(args), profiling=ProfilingSettings.of(args))

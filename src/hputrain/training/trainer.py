@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ..accelerators import detect_accelerator
-from ..callbacks import Callback, for_every_trainer, reporting_callbacks, show_message
+from ..callbacks import (Callback, for_every_trainer, profiling_callbacks, reporting_callbacks,
+                         show_message)
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
 from ..checkpoint.folder import checkpoint_dir, lock_output_dir, rotate_checkpoints
@@ -100,6 +101,7 @@ class Trainer:
         self.compute_metrics = compute_metrics  # eval_pred -> dict, for evaluate() (evaluation.py)
         if self.group.is_main:  # metrics.jsonl, the bar, the trackers: written by rank 0 only
             self.callbacks += reporting_callbacks(self.settings.reporting)
+        self.callbacks += profiling_callbacks(self.settings.profiling, self.accelerator, self.group.rank)
         self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.settings.parallelism, self.group, self.accelerator,
                                         self.precision)
