@@ -94,6 +94,11 @@ def test_optimum_names_profile_the_same_steps(corpus, tmp_path):
     (["--profile-steps", "4-9"], "ends after max_steps 5"),
     (["--profile-steps", "3-4", "--profiling-steps", "2"], "both set"),
     (["--profiling-warmup-steps", "2"], "needs profiling_steps"),
+    (["--profile-steps", "3-"], "profile_steps must be steps A-B"),
+    (["--profile-steps", "-2"], "profile_steps must be steps A-B"),
+    (["--profiling-steps", "-1"], "must not be negative"),
+    (["--max-steps", "-1", "--num-train-epochs", "1", "--profile-steps", "100000"],
+     "ends after the run's last step"),
 ])
 def test_bad_profile_steps_are_one_line_and_exit_2(corpus, tmp_path, capsys, flags, says):
     status = main(["train", "--corpus", str(corpus), "--output-dir", str(tmp_path / "o"),
@@ -111,7 +116,8 @@ def test_hpu_profiles_with_gaudis_activity_where_torch_has_it(fake_hpu, monkeypa
 
     activity = getattr(torch.profiler.ProfilerActivity, "HPU", None)
     if activity is not None:  # torch 2.13 has it
-        assert HPUAccelerator().profiler_activities() == [torch.profiler.ProfilerActivity.CPU, activity]
+        assert HPUAccelerator().profiler_activities() == [torch.profiler.ProfilerActivity.CPU,
+                                                          activity]
     monkeypatch.setattr(torch.profiler, "ProfilerActivity", Older)
     assert HPUAccelerator().profiler_activities() == [Older.CPU]
 
@@ -124,5 +130,99 @@ def test_two_processes_write_one_trace_each(corpus, tmp_path):
                            "--profile-steps", "2-3", *TINY], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        check_trace(out / "profile" / f"rank{rank}.steps2-3.pt.trace.json", 2, 3)
+    traces = sorted(p.name for p in (out / "profile").glob("*.pt.trace.json"))
+    assert traces == ["rank0.steps2-3.pt.trace.json", "rank1.steps2-3.pt.trace.json"]
+    for trace in traces:
+        check_trace(out / "profile" / trace, 2, 3)
+
+
+def test_a_resumed_run_profiles_the_steps_it_runs(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--corpus", str(corpus), "--output-dir", str(out), "--max-steps", "3",
+                 *TINY, "--save-steps", "3"]) == 0
+    assert main(["train", "--corpus", str(corpus), "--output-dir", str(out), "--max-steps", "5",
+                 "--resume-from-checkpoint", "latest", "--profile-steps", "3-5", *TINY]) == 0
+    traces = sorted(p.name for p in (out / "profile").glob("*.json"))
+    assert traces == ["rank0.steps4-5.pt.trace.json"]  # steps 1-3 ran in the first run
+    check_trace(out / "profile" / traces[0], 4, 5)
+
+
+def test_lazy_mode_profiles_the_same_steps(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--corpus", str(corpus), "--output-dir", str(out), "--max-steps", "3",
+                 "--execution-mode", "lazy", "--profile-steps", "2-3", *TINY]) == 0
+    check_trace(out / "profile" / "rank0.steps2-3.pt.trace.json", 2, 3)
+
+
+class _Run:
+    """What the profiler reads of a Trainer."""
+
+    def __init__(self, global_step: int, total_steps: int) -> None:
+        self.global_step, self.total_steps, self.device = global_step, total_steps, "cpu"
+        self.lines: list[str] = []
+
+    def log_message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+class _RecordsMemory:
+    """A device whose profiler keeps a memory timeline (as CUDA's does), on the host."""
+
+    def profiler_activities(self):
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def profiler_records_memory(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _train_steps(callback, run: _Run) -> None:
+    weight = torch.randn(64, 64, requires_grad=True)
+    callback.on_train_begin(run)
+    while run.global_step < run.total_steps:
+        callback.on_step_begin(run)
+        (torch.randn(32, 64) @ weight).square().mean().backward()
+        run.global_step += 1
+        callback.on_step_end(run)
+    callback.on_train_end(run)
+
+
+@pytest.mark.parametrize("matplotlib", [True, False])
+def test_a_device_that_records_memory_gets_a_timeline_beside_the_trace(tmp_path, monkeypatch,
+                                                                       matplotlib):
+    from hputrain.callbacks import profiler as module
+    from hputrain.config.sections import ProfilingSettings
+
+    if not matplotlib:  # the HTML plot needs it; the points do not
+        find_spec = module.importlib.util.find_spec
+        monkeypatch.setattr(module.importlib.util, "find_spec",
+                            lambda name: None if name == "matplotlib" else find_spec(name))
+    settings = ProfilingSettings(output_dir=str(tmp_path), steps=(2, 3), record_shapes=False,
+                                 with_stack=False)
+    run = _Run(global_step=0, total_steps=4)
+    _train_steps(module.StepProfiler(settings, _RecordsMemory(), rank=0), run)
+    folder = tmp_path / "profile"
+    check_steps = steps_and_ops(folder / "rank0.steps2-3.pt.trace.json")[0]
+    assert [e["name"] for e in check_steps] == ["ProfilerStep#2", "ProfilerStep#3"]
+    if matplotlib:
+        assert "<html" in (folder / "rank0.memory.html").read_text().lower()
+    else:
+        times, sizes = json.loads((folder / "rank0.memory.json").read_text())
+        assert times and len(sizes) == len(times)
+    assert len(run.lines) == 1 and "top operations" in run.lines[0]
+
+
+def test_only_rank_0_prints_and_writes_the_table(tmp_path):
+    from hputrain.callbacks.profiler import StepProfiler
+    from hputrain.config.sections import ProfilingSettings
+
+    settings = ProfilingSettings(output_dir=str(tmp_path), steps=(1, 1), record_shapes=True,
+                                 with_stack=False)
+    accelerator = type("Host", (_RecordsMemory,), {"profiler_records_memory": lambda self: False})
+    run = _Run(global_step=0, total_steps=2)
+    _train_steps(StepProfiler(settings, accelerator(), rank=1), run)
+    assert (tmp_path / "profile" / "rank1.steps1-1.pt.trace.json").is_file()
+    assert not (tmp_path / "profile" / "top_ops.txt").exists() and run.lines == []
+    assert not list((tmp_path / "profile").glob("*.memory.*"))

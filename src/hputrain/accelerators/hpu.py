@@ -21,6 +21,9 @@ from .base import GB, Accelerator
 
 # Dense bf16 peak FLOP/s per device (matrix engines).
 _PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
+GIB = 2**30
+MEMORY_BYTES = {"gaudi2": 96 * GIB, "gaudi3": 128 * GIB}
+"""Each Gaudi's HBM, as hl-smi reports it (98304 and 131072 MiB): the targets of `hputrain plan`."""
 # Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
 _TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
 _FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8

@@ -5,7 +5,7 @@ import importlib
 import os
 
 from ..errors import InputError
-from .base import Accelerator
+from .base import GB, Accelerator
 
 # name -> "module:Class"; a backend's module is imported only when that backend is asked about.
 ACCELERATORS = {
@@ -60,3 +60,14 @@ def detect_accelerator(name: str = "auto", execution_mode: str = "auto",
         raise AcceleratorNotFound(f"accelerator {name!r} was requested but is not available; "
                                   f"found: {found}")
     return accelerator
+
+
+def target_memory() -> dict[str, int]:
+    """The devices `hputrain plan` plans for, by name, and their memory in bytes (each device's
+    file owns its figures; "cpu" is this machine's RAM)."""
+    from .cpu import CPUAccelerator
+    from .cuda import MEMORY_BYTES as GPUS
+    from .hpu import MEMORY_BYTES as GAUDIS
+
+    ram = CPUAccelerator().memory_stats()["total_memory_available_gb"] * GB
+    return {**GAUDIS, **GPUS, "cpu": int(ram)}

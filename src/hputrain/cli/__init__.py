@@ -129,6 +129,7 @@ def build_parser() -> Parser:
     from .launch import add_launch_parser
     from .train import add_train_parser
     from .doctor import add_doctor_parser
+    from .plan import add_plan_parser
     from .config import add_config_parser
     from .generate import add_generate_parser
     from .evaluate import add_evaluate_parser
@@ -141,6 +142,7 @@ def build_parser() -> Parser:
     add_evaluate_parser(sub)
     add_report_parser(sub)
     add_doctor_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

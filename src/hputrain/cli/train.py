@@ -17,6 +17,12 @@ def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train the built-in GPT, or fine-tune a local Hugging Face "
                                      "model (--model DIR --dataset PATH)",
                        description=__doc__.split("\n\n")[0])
+    add_train_flags(p)
+    p.set_defaults(func=cmd_train)
+
+
+def add_train_flags(p) -> None:
+    """train's flags (also `hputrain plan`'s, which plans the same run)."""
     p.add_argument("--config", help="JSON or TOML file of settings")
     p.add_argument("--accelerator-config", "--accelerator_config", "--gaudi-config",
                    dest="accelerator_config", help="a GaudiConfig JSON file")
@@ -24,7 +30,6 @@ def add_train_parser(sub) -> None:
     add_dataclass_flags(p, RecipeOptions, "the built-in GPT recipe (without --model)")
     add_dataclass_flags(p, HFOptions, "the Hugging Face recipe (--model DIR --dataset PATH)")
     add_dataclass_flags(p, TrainingArguments, "training arguments")
-    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:

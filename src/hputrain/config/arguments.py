@@ -204,17 +204,21 @@ class TrainingArguments:
     """The device's fused kernels in Hugging Face models (attention through transformers'
     AttentionInterface, RMSNorm by a module swap): "auto" (on where not slower), True or False."""
     profile_steps: str | None = None
-    """Run torch.profiler over these training steps ("3-4", or one step "5") with the device's
-    activities: one trace per rank in output_dir/profile/, top operations in the summary."""
+    """Run torch.profiler over these training steps ("3-4", or one step "5"; global steps,
+    counted from 1, so a resumed run profiles those it runs) with the device's activities: one
+    trace per rank in output_dir/profile/, the top operations in top_ops.txt and the summary."""
     profiling_warmup_steps: int = 0
-    """Optimum's spelling, with profiling_steps: leave out this many steps, then profile."""
+    """Optimum's spelling, with profiling_steps: skip this many steps, then profile. Both are
+    translated into profile_steps when the arguments are made (they then read 0)."""
     profiling_steps: int = 0
-    """Optimum's spelling: profile this many steps after profiling_warmup_steps (0: none), the
-    same as profile_steps "{warmup + 1}-{warmup + steps}"."""
+    """Optimum's spelling: profile this many steps after profiling_warmup_steps (0: none); the
+    same as profile_steps "{warmup + 1}-{warmup + steps}", so not given with profile_steps."""
     profiling_record_shapes: bool = True
-    """Record the operators' input shapes in the profile."""
+    """Optimum's name: record the operators' input shapes in the profile (the table and the
+    trace then tell a matmul's sizes apart)."""
     profiling_with_stack: bool = False
-    """Record the Python stack of each operator in the profile (slower)."""
+    """Optimum's name: record each operator's Python stack in the profile (slower; the trace
+    then leads from an operator to the line that ran it)."""
 
     # Hugging Face's and Optimum for Intel Gaudi's spellings, translated into the fields above
     # when the arguments are made (they then read as unset), so that their scripts run as written.
@@ -408,6 +412,8 @@ class TrainingArguments:
                   "keep one (profile_steps '3-4' is profiling_warmup_steps 2, profiling_steps 2)")
             first = self.profiling_warmup_steps + 1
             self.profile_steps = f"{first}-{first + self.profiling_steps - 1}"
+            # read as unset from here on, so that a copy (dataclasses.replace) is not both
+            self.profiling_warmup_steps = self.profiling_steps = 0
         else:
             check(not self.profiling_warmup_steps, "profiling_warmup_steps needs profiling_steps")
         if self.profile_steps is None:
@@ -423,9 +429,9 @@ class TrainingArguments:
         if self.profile_steps is None:
             return None
         text = str(self.profile_steps).strip()
-        first, _, last = text.partition("-")
+        first, dash, last = text.partition("-")
         try:
-            first, last = int(first), int(last or first)
+            first, last = int(first), int(last if dash else first)
         except ValueError:
             raise ConfigError(f"profile_steps must be steps A-B (3-4) or one step (5), got "
                               f"{self.profile_steps!r}") from None

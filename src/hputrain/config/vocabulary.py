@@ -36,8 +36,8 @@ _GENERIC = """average_tokens_across_devices use_liger_kernel liger_kernel_config
     skip_memory_metrics past_index ray_scope torchdynamo split_batches dispatch_batches
     include_tokens_per_second use_legacy_prediction_loop mp_parameters use_ipex jit_mode_eval
     use_compiled_autograd compile_dynamic compile_from_sec_iteration
-    disable_tensor_cache_hpu_graphs max_hpu_graphs ignore_eos
-    profiling_warmup_steps_eval profiling_steps_eval sdp_on_bf16 use_regional_compilation cache_size_limit
+    disable_tensor_cache_hpu_graphs max_hpu_graphs ignore_eos profiling_warmup_steps_eval
+    profiling_steps_eval sdp_on_bf16 use_regional_compilation cache_size_limit
     use_zero3_leaf_promotion inline_inbuilt_nn_modules allow_unspec_int_on_nn_module"""
 
 TRAINING_ARGUMENTS = {name: _YET for name in _GENERIC.split()} | {

@@ -109,3 +109,23 @@ def _sample(model, device, prompt: bytes = b"def ", length: int = 120) -> str:
     torch.manual_seed(0)
     out = model.generate(ids, max_new_tokens=length, temperature=0.8, top_k=20)
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def step_model(options: RecipeOptions):
+    """One training step of this recipe, for `hputrain plan`: the fields of rehearsal.plan's
+    StepModel (the GPT of --model-size, windows of --seq-len bytes)."""
+    import torch
+
+    from ..models.gpt import GPT, GPTConfig
+
+    try:
+        config = GPTConfig.from_size(options.model_size, block_size=options.seq_len)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def batch(size: int) -> dict:
+        ids = torch.randint(0, config.vocab_size, (size, options.seq_len))
+        return {"input_ids": ids, "labels": ids}
+
+    return {"build": lambda lora: GPT(config), "batch": batch,
+            "name": f"the {options.model_size} GPT, {options.seq_len}-byte sequences"}

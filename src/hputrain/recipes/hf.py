@@ -206,6 +206,36 @@ def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cach
 
 # -- the model -----------------------------------------------------------------------------------
 
+def step_model(options: HFOptions):
+    """One training step of this recipe, for `hputrain plan`: the fields of rehearsal.plan's
+    StepModel (the folder's architecture from its config.json alone, no weight read; LoRA as
+    --lora-r asks, r 16 when the plan tries it; blocks of --block-size tokens)."""
+    import torch
+
+    folder = model_folder(options.model)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    longest = getattr(config, "max_position_embeddings", None) or 1024
+    block = options.block_size or min(1024, longest)
+
+    def build(lora: bool):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if lora:
+            model = add_lora(model, dataclasses.replace(options, lora_r=options.lora_r or 16))
+        return model
+
+    def batch(size: int) -> dict:
+        ids = torch.randint(0, config.vocab_size, (size, block))
+        return {"input_ids": ids, "labels": ids, "use_cache": False}  # as training calls it
+
+    return {"build": build, "batch": batch, "lora": bool(options.lora_r), "lora_possible": True,
+            "name": f"{config.model_type} from {folder}, blocks of {block} tokens"}
+
 def model_folder(name: str) -> Path:
     """`name` as a model folder on this machine, or one line saying why it is not one."""
     folder = Path(name).expanduser()

@@ -101,7 +101,9 @@ class Trainer:
         self.compute_metrics = compute_metrics  # eval_pred -> dict, for evaluate() (evaluation.py)
         if self.group.is_main:  # metrics.jsonl, the bar, the trackers: written by rank 0 only
             self.callbacks += reporting_callbacks(self.settings.reporting)
-        self.callbacks += profiling_callbacks(self.settings.profiling, self.accelerator, self.group.rank)
+        # the profiler on every rank: each writes its own trace (callbacks/profiler.py)
+        self.callbacks += profiling_callbacks(self.settings.profiling, self.accelerator,
+                                              self.group.rank)
         self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.settings.parallelism, self.group, self.accelerator,
                                         self.precision)
