@@ -7,10 +7,10 @@ where a folder holding only config.json is enough: no weight is read); `--datase
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from ..errors import InputError, did_you_mean
+from .planning import plan_run
 from .train import add_train_flags
 
 GIB = 2**30
@@ -38,23 +38,6 @@ def cmd_plan(args) -> int:
     result, name = plan_run(vars(args), args.target, targets[args.target])
     print(json.dumps(result.as_json(), indent=2) if args.json else describe(result, name))
     return 0
-
-
-def plan_run(flags: dict, target: str, target_bytes: int):
-    """(the plan, what was planned) of the run `flags` (train's flags, parsed) describe."""
-    from ..accelerators import detect_accelerator
-    from ..recipes import chosen_recipe
-    from ..rehearsal.plan import StepModel, plan
-
-    flags = {k: v for k, v in flags.items() if k not in ("target", "json")}  # plan's own
-    if "model" in flags and not flags.get("dataset"):
-        flags["dataset"] = "(not read by hputrain plan)"
-    recipe, options, args = chosen_recipe(flags)
-    if target != "cpu" and args.precision == "auto":  # bf16 on every accelerator planned for
-        args = dataclasses.replace(args, precision="bf16-mixed")
-    step = StepModel(**recipe.step_model(options))
-    accelerator = detect_accelerator("cpu", "eager")  # the trace runs here, on fake tensors
-    return plan(step, args, target, target_bytes, accelerator=accelerator), step.name
 
 
 def describe(result, name: str = "") -> str:

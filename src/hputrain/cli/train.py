@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments
 from ..config.flags import add_dataclass_flags
+from ..errors import InputError
 from ..recipes import HFOptions, RecipeOptions, chosen_recipe
 
 
@@ -35,4 +36,21 @@ def add_train_flags(p) -> None:
 def cmd_train(args) -> int:
     recipe, options, training_args = chosen_recipe(vars(args))
     config = AcceleratorConfig.from_file(args.accelerator_config) if args.accelerator_config else None
-    return recipe.run(options, training_args, config)
+    try:
+        return recipe.run(options, training_args, config)
+    except Exception as exc:  # the device ran out of memory: one line on what would fit
+        accelerator = _accelerator(training_args)
+        if accelerator is None or not accelerator.is_out_of_memory(exc):
+            raise
+        from .planning import out_of_memory_line
+
+        raise InputError(out_of_memory_line(vars(args), training_args, accelerator)) from None
+
+
+def _accelerator(training_args):
+    from ..accelerators import detect_accelerator
+
+    try:
+        return detect_accelerator(training_args.accelerator, "eager")
+    except InputError:
+        return None
