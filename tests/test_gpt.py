@@ -83,6 +83,37 @@ def test_position_ids_arange_matches_default_and_positions_matter():
     assert not torch.allclose(default, shifted)
 
 
+
+def test_a_causal_mask_equals_no_mask_and_a_mask_is_used_as_given():
+    model = tiny_model().eval()
+    tokens = random_tokens(2, 8)
+    default = model(tokens)["logits"]
+    causal = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8)
+    additive = torch.zeros(2, 1, 8, 8).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for mask in (causal, additive):
+        torch.testing.assert_close(model(tokens, attention_mask=mask)["logits"], default,
+                                   rtol=0, atol=1e-5)
+    # A 4-D mask is not made causal: one that lets token 0 see token 5 changes token 0.
+    peeking = causal.clone()
+    peeking[:, :, 0, 5] = True
+    assert not torch.allclose(model(tokens, attention_mask=peeking)["logits"][:, 0], default[:, 0])
+
+
+def test_a_padding_mask_hides_the_padding_on_either_side():
+    model = tiny_model().eval()
+    tokens = random_tokens(1, 5)
+    alone = model(tokens)["logits"]
+    right = torch.cat([tokens, torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    out = model(right, attention_mask=torch.tensor([[1] * 5 + [0] * 3]))["logits"]
+    torch.testing.assert_close(out[:, :5], alone, rtol=0, atol=1e-5)
+    left = torch.cat([torch.full((1, 3), 7), tokens], dim=1)
+    out = model(left, position_ids=torch.tensor([0, 0, 0, 0, 1, 2, 3, 4]),
+                attention_mask=torch.tensor([[0] * 3 + [1] * 5]))["logits"]
+    assert torch.isfinite(out).all()  # the padding queries see themselves, not nothing
+    torch.testing.assert_close(out[:, 3:], alone, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(tokens, attention_mask=torch.ones(1, 4))
+
 def test_lm_head_is_tied_to_token_embedding():
     model = tiny_model()
     assert model.lm_head.weight is model.wte.weight

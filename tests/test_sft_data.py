@@ -139,6 +139,15 @@ def test_each_turn_learns_its_content_and_end_marker_only(base_tokenizer, family
         assert ids[-1] == tokenizer.eos_token_id and not mask[-1]
 
 
+@pytest.mark.parametrize("variant", ["", "_tagged"], ids=["untagged", "tagged"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_end_of_turn_is_the_marker_generation_stops_at(base_tokenizer, family, variant):
+    """`hputrain generate --chat` stops at this text: each family's own end-of-turn marker (not
+    the newline after it, nor Phi-3's closing <|endoftext|>)."""
+    marker = FAMILIES[family][2]
+    assert ChatTemplate(family_tokenizer(base_tokenizer, family, variant)).end_of_turn() == marker
+
+
 def test_tags_around_the_content_alone_get_the_end_marker_added(base_tokenizer):
     """transformers' mask covers what the tags enclose; with ChatML tagged around the content
     only, it stops before <|im_end|>. The mask here is transformers' plus the end marker, and the

@@ -4,6 +4,7 @@ computed here with the model called on one example at a time, no mask and no pac
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,24 @@ def test_evaluate_text_and_lines(tmp_path, capsys, chat_model):
     assert float(lines["eval_perplexity"]) == pytest.approx(torch.tensor(float(lines["eval_loss"])).exp().item(), rel=1e-5)
 
 
+def test_evaluate_caches_in_cache_dir_and_never_in_the_model_folder(tmp_path, capsys, chat_model,
+                                                                   chat_rows):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows)
+    model_files = sorted(chat_model.rglob("*"))
+    cache = tmp_path / "cache"
+    first = evaluate(capsys, chat_model, data, "--block-size", BLOCK, "--cache-dir", str(cache))
+    (cached,) = cache.glob("sft-*.npz")
+    written = cached.stat().st_mtime_ns
+    again = evaluate(capsys, chat_model, data, "--block-size", BLOCK, "--cache-dir", str(cache))
+    assert cached.stat().st_mtime_ns == written  # read back, not written again
+    scratch = evaluate(capsys, chat_model, data, "--block-size", BLOCK)  # a temporary cache
+    assert first == again == scratch
+    assert sorted(chat_model.rglob("*")) == model_files
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    assert "default: a temporary folder" in " ".join(capsys.readouterr().out.split())
+
+
 # -- train ----------------------------------------------------------------------------------------
 
 @pytest.mark.ci  # 15-25 s on two shared cores: slow, but the end-to-end check of the feature
@@ -175,6 +194,9 @@ def test_chat_template_flag_is_the_one_saved_in_final(tmp_path, capsys, chat_mod
                  "--chat-template", str(TEMPLATES / "chatml.jinja")]) == 0
     stdout = capsys.readouterr().out
     assert "loss on every token (--no-assistant-only-loss)" in stdout and "unpacked (--no-packing)" in stdout
+    # 14 rows, 5% held out: one example, so one row (never "1 rows")
+    assert "13 training rows and 1 validation row of at most 256 tokens" in stdout, stdout
+    assert "(--validation-split-percentage), 1 row\n" in stdout + "\n", stdout
     saved = transformers.AutoTokenizer.from_pretrained(out / "final")
     assert saved.chat_template == (TEMPLATES / "chatml.jinja").read_text()
 
@@ -185,7 +207,11 @@ def test_the_encoded_examples_are_cached(tmp_path, capsys, chat_model, chat_rows
             "--precision", "32", "--block-size", BLOCK, "--max-steps", "1", "--disable-tqdm",
             "--save-steps", "-1", "--per-device-train-batch-size", "2"]
     assert main(argv) == 0
-    assert "(cached in" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "(cached in" in stdout
+    assert re.search(r"\d+ training blocks and 1 validation block of 256 tokens, packed", stdout), \
+        stdout
+    assert "(--validation-split-percentage), 1 block\n" in stdout + "\n", stdout
     assert main(argv + ["--overwrite-output-dir"]) == 0
     assert "(from the cache" in capsys.readouterr().out
     assert main(argv + ["--no-assistant-only-loss"]) == 0  # another key

@@ -10,8 +10,9 @@ from .callbacks import Callback, EarlyStopping
 from .config.accelerator_config import AcceleratorConfig
 from .config.arguments import TrainingArguments
 from .config.preference import DPOConfig
+from .data.sft import SFTDataset, sft_dataset
 from .execution.precision import autocast
 from .training.dpo import DPOTrainer
 from .training.trainer import Trainer
 
-__all__ = ["AcceleratorConfig", "Callback", "DPOConfig", "DPOTrainer", "EarlyStopping", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "__version__"]
+__all__ = ["AcceleratorConfig", "Callback", "DPOConfig", "DPOTrainer", "EarlyStopping", "SFTDataset", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "sft_dataset", "__version__"]

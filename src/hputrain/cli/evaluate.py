@@ -1,6 +1,7 @@
 """`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face model over a
 whole data set, read as `hputrain train` reads it (text, or SFT rows by their columns): every
-counted token of it, none held out. Works on a run's output_dir/final."""
+counted token of it, none held out. Works on a run's output_dir/final. The tokenized data is
+cached in --cache-dir when given, else in a temporary folder removed at the end."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,10 @@ def add_evaluate_parser(sub) -> None:
                    help="the text field of text data (default: text)")
     p.add_argument("--chat-template", "--chat_template", dest="chat_template", metavar="FILE",
                    help="a Jinja chat template that replaces the tokenizer's")
+    p.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", metavar="DIR",
+                   help="where the tokenized data set is cached, to be reused by later runs "
+                        "(hputrain train's cache folder works); default: a temporary folder, "
+                        "removed afterwards (nothing is ever written into the model folder)")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=8,
                    help="blocks or rows per forward (default: 8)")
     p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or auto")
@@ -43,7 +48,8 @@ def cmd_evaluate(args) -> int:
                         packing=args.packing, text_column=args.text_column,
                         assistant_only_loss=args.assistant_only_loss,
                         completion_only_loss=args.completion_only_loss,
-                        chat_template=args.chat_template)  # a bad value: ConfigError, one line
+                        chat_template=args.chat_template,
+                        cache_dir=args.cache_dir)  # a bad value: ConfigError, one line
     result = evaluate(options, batch_size=args.batch_size, precision=args.precision)
     if args.json:
         print(json.dumps(result))

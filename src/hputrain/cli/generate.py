@@ -1,5 +1,6 @@
-"""`hputrain generate`: text from a trained checkpoint through graph-captured inference
-(execution/inference.py)."""
+"""`hputrain generate`: text from a trained checkpoint of the built-in GPT through graph-captured
+inference (execution/inference.py), or, with `--model DIR --chat QUESTION`, a Hugging Face model's
+answer through its chat template and transformers' own generate (recipes/hf_chat.py)."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,22 @@ from ..execution.inference import Generation, Generator, load_for_generation
 from ..models.gpt import check_sampling
 
 
+GPT_TEMPERATURE = 0.8
+"""--temperature for a --checkpoint when none is given (--chat answers greedily by default)."""
+
+
 def cmd_generate(args) -> int:
+    _check_source(args)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature is None:
+        args.temperature = 0.0 if args.model else GPT_TEMPERATURE
     check_sampling(args.temperature, args.top_k)  # before the checkpoint loads
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise InputError(f"--seed must be in 0..2**64-1, got {args.seed}")
     accelerator = detect_accelerator("cpu" if args.cpu else args.accelerator)
+    if args.model:
+        return _chat(args, accelerator)
     model = load_for_generation(args.checkpoint, accelerator)
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -32,6 +42,50 @@ def cmd_generate(args) -> int:
     capture = time.perf_counter() - capture
     result = generator.generate(prompts, args.max_new_tokens, args.temperature, args.top_k)
     _print_generation(prompts, result, capture, args.json)
+    return 0
+
+
+def _check_source(args) -> None:
+    """Exactly one model: a --checkpoint (the built-in GPT, --prompt) or a --model folder (a
+    Hugging Face model, --chat)."""
+    if args.model and args.checkpoint:
+        raise InputError("give --checkpoint (the built-in GPT) or --model DIR (a Hugging Face "
+                         "model folder), not both")
+    if not args.model and not args.checkpoint:
+        raise InputError("generate needs --checkpoint DIR (the built-in GPT, with --prompt) or "
+                         "--model DIR --chat QUESTION (a Hugging Face model folder)")
+    if args.model and args.chat is None:
+        raise InputError("--model needs --chat QUESTION: the question is rendered through the "
+                         "model's chat template")
+    if args.model and args.prompt:
+        raise InputError("--prompt is for --checkpoint; with --model ask with --chat QUESTION")
+    if args.chat is not None and not args.model:
+        raise InputError("--chat needs --model DIR (a Hugging Face model folder with a chat "
+                         "template); a --checkpoint takes --prompt")
+    if args.model and args.no_graphs:
+        raise InputError("--no-graphs is for --checkpoint: --chat always runs transformers' "
+                         "generate eagerly")
+
+
+def _chat(args, accelerator) -> int:
+    from ..recipes.hf import model_folder
+    from ..recipes.hf_chat import chat_answer
+
+    folder = model_folder(args.model)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    answer = chat_answer(folder, args.chat, accelerator, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"text": answer.text, "tokens": answer.tokens,
+                          "prompt_tokens": answer.prompt_tokens,
+                          "stop_token_ids": answer.stop_token_ids}, indent=2))
+    else:
+        print(answer.text)
+        print(f"({answer.tokens} tokens in {seconds:.1f} s, model loading included)",
+              file=sys.stderr)
     return 0
 
 
@@ -55,12 +109,23 @@ def _print_generation(prompts, result: Generation, capture: float, as_json: bool
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="graph-captured text generation from a trained checkpoint")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by hputrain train")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p = sub.add_parser("generate", help="text from a trained checkpoint (graph-captured), or a "
+                                        "Hugging Face model's answer to --chat QUESTION",
+                       description=__doc__)
+    p.add_argument("--checkpoint", help="a checkpoint folder of the built-in GPT written by "
+                                        "hputrain train")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; --checkpoint)")
+    p.add_argument("--model", metavar="DIR",
+                   help="a local Hugging Face model folder whose tokenizer has a chat template (a "
+                        "run's output_dir/final)")
+    p.add_argument("--chat", metavar="QUESTION",
+                   help="with --model: the user's message, rendered through the chat template with "
+                        "the generation prompt; prints only the answer, which stops at the end of "
+                        "the turn (eos or the template's end-of-turn token)")
     p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="0 is greedy; otherwise at least 1e-4 (MIN_TEMPERATURE)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy; otherwise at least 1e-4 (MIN_TEMPERATURE). Default: 0 with "
+                        f"--chat, {GPT_TEMPERATURE} with --checkpoint")
     p.add_argument("--top-k", "--top_k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-graphs", action="store_true", help="run eagerly, without graph capture")

@@ -117,6 +117,24 @@ class ChatTemplate:
             found.append(Turn(len(before), end, learned_end))
         return found
 
+    def end_of_turn(self) -> str | None:
+        """The text the template writes after an assistant's content to end its turn
+        (`<|im_end|>`, `<|eot_id|>`, `</s>`, `<end_of_turn>`, `<|end|>`), found by the turn rule
+        above on a probe conversation: what generation must stop at. None where the turn's text
+        has nothing after the content, or the template refuses the probe."""
+        content = "hputrain probe answer"
+        messages = [{"role": "user", "content": "hputrain probe question"},
+                    {"role": "assistant", "content": content}]
+        try:
+            full = self.render(messages, False, "the end-of-turn probe")
+            offsets = self.tokenize(full)[1]
+            (turn,) = self.turns(full, offsets, messages, [1], "the end-of-turn probe")
+        except InputError:
+            return None
+        text = full[turn.start:turn.learned_end]
+        at = text.find(content)
+        return (text[at + len(content):].strip() or None) if at >= 0 else None
+
     def _not_prefixes(self, where: str, i: int) -> InputError:
         return InputError(
             f"{where}: the chat template {self.name} renders message {i} differently once later "

@@ -21,6 +21,9 @@ input_ids[t], and the model shifts):
 A row with no messages, an empty conversation, an unknown role or a message without text is one
 InputError line naming the row; a row with nothing to learn (no assistant turn) is skipped and
 counted in SFTStats.
+
+`sft_dataset` is the Python API's one call: rows to packed blocks (or padded rows) that
+`hputrain.Trainer` takes, as `hputrain train --model DIR` makes them.
 """
 
 from __future__ import annotations
@@ -213,3 +216,57 @@ def encode_rows(rows: Iterable[Mapping], tokenizer, *, fmt: str | None = None,
 def _has_message_lists(rows) -> bool:
     """Whether a prompt-completion data set holds messages rather than text (its first row says)."""
     return len(rows) > 0 and not isinstance(rows[0].get("prompt"), str)
+
+
+# -- the Python API: rows to a data set the Trainer takes ---------------------------------------
+
+class SFTDataset:
+    """Blocks (or rows) for `hputrain.Trainer`, made by `sft_dataset`: a map-style data set of
+    tensor dicts, and the collator to pass with it (None for packed blocks, which are all of one
+    shape; the Trainer turns their `seq_lens` into the block mask on the device)."""
+
+    def __init__(self, items: list[dict], collator, rows: SFTStats, packed) -> None:
+        self.items = items
+        self.collator = collator
+        """`data_collator` for the Trainer: length buckets for unpacked rows, else None."""
+        self.rows = rows
+        """What became of the rows (SFTStats)."""
+        self.packed = packed
+        """What cutting and packing did to the examples (packing.PackingStats)."""
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def sft_dataset(data, tokenizer, block_size: int, *, packing: bool = True,
+                assistant_only_loss: bool = True, completion_only_loss: bool = True,
+                buckets: int = 4) -> SFTDataset:
+    """Chat or instruction rows (a datasets.Dataset, or a list of dicts, in any shape that
+    `detect_format` knows) as a data set for `hputrain.Trainer`: what `hputrain train --model DIR`
+    does with them, in one call.
+
+        train = hputrain.sft_dataset(dataset, tokenizer, block_size=1024)
+        Trainer(model, args, train_dataset=train, data_collator=train.collator).train()
+
+    TRL's SFTConfig names: `packing`, `assistant_only_loss`, `completion_only_loss`; `block_size`
+    is its `max_length` (an example longer than it is cut, and counted in `.packed`). Packed:
+    whole examples in blocks of block_size tokens with restarting position_ids and their lengths
+    (data/packing.py), so the model must take attention_mask and position_ids. Unpacked: one
+    example a row, padded per batch to one of `buckets` lengths by `.collator`. Rows are encoded
+    with the tokenizer's chat template; a bad row is an InputError naming it."""
+    from .packing import pack, unpacked
+
+    examples, rows = encode_rows(data, tokenizer, assistant_only_loss=assistant_only_loss,
+                                 completion_only_loss=completion_only_loss)
+    pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+    if packing:
+        (items, stats), collator = pack(examples, block_size, pad), None
+    else:
+        items, collator, stats = unpacked(examples, block_size, pad, buckets)
+    if not items:
+        raise InputError(f"none of the {rows.rows} rows has anything to learn within {block_size} "
+                         "tokens (block_size)")
+    return SFTDataset(items, collator, rows, stats)

@@ -3,7 +3,9 @@
 The shape follows GPT-2 (learned position embeddings, GELU MLP, weight tying), written plainly so
 that each piece can be read on its own. Attention goes through one small function, `attend`, so a
 context-parallel variant can replace it without touching the rest of the model, and positions can
-be passed in explicitly so that a slice of a longer sequence keeps its global positions.
+be passed in explicitly so that a slice of a longer sequence keeps its global positions. Packed
+examples (several short sequences in one row) pass positions restarting at each example and an
+attention mask that keeps each to itself; without a mask the model runs sdpa's causal fast path.
 """
 
 from __future__ import annotations
@@ -125,16 +127,24 @@ def _is_of_type(value: Any, annotation: str) -> bool:
 AttendFn = Callable[..., torch.Tensor]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal scaled dot-product attention over (batch, heads, time, head_dim) tensors."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention over (batch, heads, time, head_dim) tensors: causal, or as
+    `mask` allows ((batch, 1, time, time), boolean True where a key is visible, or additive).
+
+    Without a mask, sdpa's `is_causal` flag says it all and picks its fused kernels; a mask (packed
+    examples, padding) goes the masked way, which reads the (time x time) mask."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused q/k/v projection.
 
     The attention itself is `self.attend` (the module-level `attend` by default), the one piece a
-    context-parallel implementation needs to replace.
+    context-parallel implementation needs to replace. It gets `mask=` only when a mask is given,
+    so a replacement that knows only causal attention keeps working on unmasked batches.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -146,13 +156,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attend: AttendFn = attend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map (batch, time, n_embd) to (batch, time, n_embd), each position seeing only the past."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Map (batch, time, n_embd) to (batch, time, n_embd), each position seeing only the past
+        (or what `mask`, a (batch, 1, time, time) attention mask, allows)."""
         batch, time, width = x.shape
         # (B, T, 3C) -> three (B, n_head, T, head_dim) tensors.
         qkv = self.qkv(x).view(batch, time, 3, self.n_head, width // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if mask is None:
+            y = self.attend(q, k, v, dropout_p=dropout_p)
+        else:
+            y = self.attend(q, k, v, dropout_p=dropout_p, mask=mask)
         y = y.transpose(1, 2).reshape(batch, time, width)
         return self.resid_dropout(self.proj(y))
 
@@ -198,9 +213,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run attention then the MLP, each added to the residual stream."""
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run attention (masked by `mask` when given) then the MLP, each added to the residual
+        stream."""
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -245,13 +261,21 @@ class GPT(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Return {"logits": (B, T, vocab)} and, when labels are given, the mean "loss".
 
         `labels` has the shape of `input_ids`, already shifted (labels[:, t] is the token after
         input_ids[:, t]); positions labelled -100 are left out of the loss. `position_ids` (shape
         (T,) or (B, T)) defaults to 0..T-1; pass global positions when the input is a slice of a
-        longer sequence. They are not range-checked here (that would cost a device sync).
+        longer sequence, or positions restarting at 0 for each example packed into a row. They
+        are not range-checked here (that would cost a device sync).
+
+        `attention_mask`, as transformers takes it: None is causal attention (sdpa's fused path);
+        (B, 1, T, T) is used as it is, boolean (True: may attend) or additive (0 or a large
+        negative number, in the compute dtype), so it must be causal itself — packed examples
+        get data.packing.block_causal_mask, which keeps each example to itself; (B, T) marks
+        padding (1 or True: a real token), which no query attends to.
         """
         time = input_ids.shape[1]
         if time > self.config.block_size:
@@ -260,9 +284,10 @@ class GPT(nn.Module):
             )
         if position_ids is None:
             position_ids = torch.arange(time, device=input_ids.device)
+        mask = None if attention_mask is None else _attention_mask(attention_mask, time)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.lm_head(self.ln_f(x))
         out = {"logits": logits}
         if labels is not None:
@@ -369,6 +394,20 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return input_ids
+
+
+def _attention_mask(mask: torch.Tensor, time: int) -> torch.Tensor:
+    """The (B, 1, T, T) mask sdpa takes, from a 4-D mask (as it is) or a (B, T) padding mask:
+    causal, no key that is padding, and each token seeing itself, so that a padding query (left
+    padding) still has one key and gives no NaN."""
+    if mask.dim() == 4:
+        return mask
+    if mask.dim() != 2 or mask.shape[-1] != time:
+        raise ValueError(f"attention_mask must be (batch, {time}) or (batch, 1, {time}, {time}), "
+                         f"got {tuple(mask.shape)}.")
+    causal = torch.ones(time, time, dtype=torch.bool, device=mask.device).tril()
+    keys = mask.bool()[:, None, None, :]
+    return (causal & keys) | torch.eye(time, dtype=torch.bool, device=mask.device)
 
 
 def _normal_init(module: nn.Module, std: float, bias: bool = True) -> None:

@@ -344,7 +344,7 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 
 def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
     from .finish import kernels_line
-    from .hf_sft import METHODS, describe
+    from .hf_sft import METHODS, counted, describe, split_sizes
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -356,13 +356,13 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
         name = f"{type(model.get_base_model()).__name__} + LoRA r={options.lora_r} on {targets}"
     held_out = len(data.validation) if data.validation is not None else 0
     cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
-    units = "blocks" if options.packing or data.method == "text" else "rows"
+    unit = "block" if options.packing or data.method == "text" else "row"
     if data.own_validation:
-        validation = f"the data set's own validation split, {held_out} {units}"
+        validation = f"the data set's own validation split, {counted(held_out, unit)}"
     elif held_out:
         held = "blocks" if data.method == "text" else "examples"
         validation = (f"the last {options.validation_split_percentage:g}% of the {held} held out "
-                      f"(--validation-split-percentage), {held_out} {units}")
+                      f"(--validation-split-percentage), {counted(held_out, unit)}")
     else:
         validation = "none (--validation-split-percentage 0)"
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
@@ -370,7 +370,7 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
             f"hputrain: method: {METHODS[data.method]}\n"
-            + (f"hputrain: {len(data.train)} training and {held_out} validation blocks of {block_size} "
+            + (f"hputrain: {split_sizes(len(data.train), held_out, 'block')} of {block_size} "
                f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else
                describe(data, options, block_size, f"from {options.dataset} ({cached})"))
             + f"hputrain: validation: {validation}")

@@ -220,6 +220,19 @@ def _write_cache(path: Path, examples: list[dict], stats: sft.SFTStats) -> None:
 
 # -- the run header --------------------------------------------------------------------------------
 
+def counted(n: int, noun: str) -> str:
+    """"1 block", "0 blocks", "3 rows": a count and its noun, in the number it takes."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def split_sizes(train: int, held_out: int, noun: str) -> str:
+    """"8 training and 2 validation blocks", or with a count of one, "8 training blocks and 1
+    validation block"."""
+    if train != 1 and held_out != 1:
+        return f"{train} training and {held_out} validation {noun}s"
+    return f"{counted(train, 'training ' + noun)} and {counted(held_out, 'validation ' + noun)}"
+
+
 def describe(data: SFTData, options, block_size: int, source: str) -> str:
     """The header's lines on SFT data: what is learned, what became of the rows, the blocks."""
     if data.fmt == "prompt_completion":
@@ -231,14 +244,14 @@ def describe(data: SFTData, options, block_size: int, source: str) -> str:
     rows, packed = data.rows, data.packed
     held_out = len(data.validation) if data.validation is not None else 0
     if options.packing:
-        shape = (f"{len(data.train)} training and {held_out} validation blocks of {block_size} "
+        shape = (f"{split_sizes(len(data.train), held_out, 'block')} of {block_size} "
                  f"tokens, packed with attention kept inside each example "
                  f"({packed.padding_fraction:.1%} padding)")
     else:
-        shape = (f"{len(data.train)} training and {held_out} validation rows of at most "
+        shape = (f"{split_sizes(len(data.train), held_out, 'row')} of at most "
                  f"{block_size} tokens, unpacked (--no-packing), padded to length buckets")
     return (f"hputrain: loss on {learned}\n"
-            f"hputrain: {rows.rows} rows, {rows.nothing_to_learn} skipped with nothing to learn, "
-            f"{packed.truncated} cut to {block_size} tokens (--block-size), "
+            f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
+            f"to learn, {packed.truncated} cut to {block_size} tokens (--block-size), "
             f"{packed.nothing_to_learn} left with nothing to learn after the cut\n"
             f"hputrain: {shape} {source}\n")

@@ -1,0 +1,76 @@
+"""`hputrain generate --model DIR --chat QUESTION`: one answer from a local Hugging Face model
+folder (a download, or a run's output_dir/final), through its tokenizer's chat template and
+transformers' own `generate`.
+
+The question is rendered as a one-message conversation with the generation prompt (the header
+the template writes before an assistant's turn), so the model continues as the assistant it was
+trained to be. Generation stops at the end of the turn: the eos token, and the template's own
+end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...; found by rendering, as
+data/chat.py finds what SFT trains on), which many models emit instead of eos; a model that is
+not stopped there keeps writing the next turn. Only the answer's text is returned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..data.chat import ChatTemplate
+from ..errors import InputError
+
+
+@dataclass
+class ChatAnswer:
+    text: str
+    """The answer, special tokens (the end-of-turn marker) left out."""
+    tokens: int
+    """Tokens generated, the end-of-turn token included."""
+    prompt_tokens: int
+    """Tokens of the rendered question."""
+    stop_token_ids: list[int]
+    """What generation stopped at: eos, then the template's end-of-turn token."""
+
+
+def stop_token_ids(tokenizer, model_eos) -> list[int]:
+    """eos (the tokenizer's and the model's generation config's) and the chat template's
+    end-of-turn marker, when it is a single token; in that order, each once."""
+    ids = [tokenizer.eos_token_id]
+    ids += model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
+    marker = ChatTemplate(tokenizer).end_of_turn()
+    if marker is not None:
+        encoded = tokenizer.encode(marker, add_special_tokens=False)
+        if len(encoded) == 1:  # a marker spelled in several tokens cannot be an eos id
+            ids.append(encoded[0])
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
+def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int,
+                temperature: float = 0.0, top_k: int | None = None) -> ChatAnswer:
+    """The model's answer to `question` (see the module docstring): greedy with temperature 0,
+    else sampled (seed the generator first)."""
+    import torch
+
+    from .hf import load_model
+
+    model, tokenizer = load_model(folder)
+    if not isinstance(getattr(tokenizer, "chat_template", None), str):
+        raise InputError(f"--model {folder}: its tokenizer has no chat template, so --chat cannot "
+                         "render the question: give a model folder whose tokenizer has one "
+                         "(tokenizer.chat_template)")
+    device = accelerator.setup(0)
+    model = model.to(device).eval()
+    stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                            add_generation_prompt=True, return_dict=True,
+                                            return_tensors="pt")
+    input_ids = encoded["input_ids"].to(device)
+    sampling = {"do_sample": False} if temperature == 0 else {
+        "do_sample": True, "temperature": temperature, "top_k": top_k}
+    pad = next((t for t in (tokenizer.pad_token_id, *stops) if t is not None), None)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids,
+                             attention_mask=encoded["attention_mask"].to(device),
+                             max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                             pad_token_id=pad, **sampling)
+    new = out[0, input_ids.shape[1]:].tolist()
+    return ChatAnswer(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new),
+                      input_ids.shape[1], stops)
