@@ -492,3 +492,18 @@ def test_evaluation_between_logs_leaves_the_training_metrics_whole(models, tmp_p
         pair = [r for r in every if r["step"] in (record["step"] - 1, record["step"])]
         mean = sum(r["rewards/margins"] for r in pair) / 2
         assert record["rewards/margins"] == pytest.approx(mean, abs=1e-6)
+
+
+def test_evaluate_takes_pairs_against_a_reference(models, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows())
+    assert main(["evaluate", "--model", str(models[0]), "--ref-model", str(models[1]),
+                 "--dataset", str(data), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    pairs, _ = encode_pairs(((str(i), r) for i, r in enumerate(text_rows())),
+                            tokenizer_of(models[0]), max_length=128)
+    expected = direct(load(models[0]), load(models[1]), pairs)
+    assert result["eval_pairs"] == 6 and result["method"] == "dpo"
+    assert result["eval_loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert result["eval_rewards/margins"] == pytest.approx(expected["margin"], abs=1e-5)
+    assert main(["evaluate", "--model", str(models[0]), "--dataset", str(data)]) == 2
+    assert "needs --ref-model DIR" in capsys.readouterr().err

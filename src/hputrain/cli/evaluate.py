@@ -1,6 +1,7 @@
 """`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face model over a
 whole data set, read as `hputrain train` reads it (text, or SFT rows by their columns): every
-counted token of it, none held out. Works on a run's output_dir/final. The tokenized data is
+counted token of it, none held out; preference pairs give DPO's loss and rewards against
+--ref-model DIR. Works on a run's output_dir/final. The tokenized data is
 cached in --cache-dir when given, else in a temporary folder removed at the end."""
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def add_evaluate_parser(sub) -> None:
                    help="where the tokenized data set is cached, to be reused by later runs "
                         "(hputrain train's cache folder works); default: a temporary folder, "
                         "removed afterwards (nothing is ever written into the model folder)")
+    p.add_argument("--ref-model", "--ref_model", dest="ref_model", metavar="DIR",
+                   help="preference pairs: the reference model folder DPO's rewards are measured "
+                        "against")
+    p.add_argument("--beta", type=float, default=0.1, help="preference pairs: DPO's beta (0.1)")
+    p.add_argument("--loss-type", "--loss_type", dest="loss_type", default="sigmoid",
+                   help="preference pairs: sigmoid (default), ipo, hinge or robust")
+    p.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float,
+                   default=0.0, help="preference pairs: as hputrain train takes it")
+    p.add_argument("--max-prompt-length", "--max_prompt_length", dest="max_prompt_length",
+                   type=int, help="preference pairs: as hputrain train takes it")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=8,
                    help="blocks or rows per forward (default: 8)")
     p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or auto")
@@ -48,8 +59,10 @@ def cmd_evaluate(args) -> int:
                         packing=args.packing, text_column=args.text_column,
                         assistant_only_loss=args.assistant_only_loss,
                         completion_only_loss=args.completion_only_loss,
-                        chat_template=args.chat_template,
-                        cache_dir=args.cache_dir)  # a bad value: ConfigError, one line
+                        chat_template=args.chat_template, cache_dir=args.cache_dir,
+                        ref_model=args.ref_model, beta=args.beta, loss_type=args.loss_type,
+                        label_smoothing=args.label_smoothing,
+                        max_prompt_length=args.max_prompt_length)  # a bad value: one line
     result = evaluate(options, batch_size=args.batch_size, precision=args.precision)
     if args.json:
         print(json.dumps(result))

@@ -22,8 +22,10 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     import torch
 
     from ..training.trainer import Trainer
-    from .hf import choose_block_size, load_data, load_model, model_folder
+    from .hf import choose_block_size, data_kind, load_data, load_model, model_folder
 
+    if data_kind(options) == "dpo":
+        return evaluate_pairs(options, batch_size=batch_size, precision=precision)
     folder = model_folder(options.model)
     model, tokenizer = load_model(folder)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
@@ -40,3 +42,33 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     return {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
             "eval_tokens": tokens, "method": data.method, "block_size": block_size,
             "packing": bool(options.packing) or data.method == "text"}
+
+
+def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
+    """DPO's numbers of the model `options.model` against the reference `options.ref_model` on
+    every pair of `options.dataset`: eval_loss (the mean over pairs), eval_rewards/* and
+    eval_logps/* with TRL's names (training/dpo.py), and eval_pairs."""
+    from ..config.preference import DPOConfig, preference_values
+    from ..errors import InputError
+    from ..training.dpo import DPOTrainer
+    from .hf import choose_block_size, load_model, model_folder
+    from .hf_dpo import load_pairs
+    from .hf_sft import use_chat_template
+
+    if not options.ref_model:
+        raise InputError(f"--dataset {options.dataset} holds preference pairs: evaluating them "
+                         "needs --ref-model DIR, the reference the rewards are measured against")
+    model, tokenizer = load_model(model_folder(options.model))
+    reference = load_model(model_folder(options.ref_model))[0]
+    use_chat_template(tokenizer, options.chat_template)
+    block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    options.validation_split_percentage = 0  # every pair is evaluated
+    pairs, _, stats = load_pairs(options, tokenizer, block_size)
+    with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
+        args = DPOConfig(output_dir=scratch, per_device_eval_batch_size=batch_size,
+                         precision=precision, report_to="none", disable_tqdm=True,
+                         max_length=block_size, **preference_values(options))
+        trainer = DPOTrainer(model, args, ref_model=reference, processing_class=tokenizer)
+        metrics = trainer.evaluate(pairs)
+    return {**metrics, "eval_pairs": len(pairs), "left_out": stats.prompt_fills_block,
+            "method": "dpo", "block_size": block_size}
