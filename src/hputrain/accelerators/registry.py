@@ -71,3 +71,11 @@ def target_memory() -> dict[str, int]:
 
     ram = CPUAccelerator().memory_stats()["total_memory_available_gb"] * GB
     return {**GAUDIS, **GPUS, "cpu": int(ram)}
+
+
+def target_runs_bf16(name: str) -> bool:
+    """Whether precision "auto" means bf16 on the planned device: on every Gaudi and GPU planned
+    for, and on this machine's CPU where bf16 is native."""
+    from .cpu import CPUAccelerator
+
+    return CPUAccelerator().native_bf16() if name == "cpu" else True

@@ -8,6 +8,7 @@ import dataclasses
 def plan_run(flags: dict, target: str, target_bytes: int):
     """(the plan, what was planned) of the run `flags` (train's flags, parsed) describe."""
     from ..accelerators import detect_accelerator
+    from ..accelerators.registry import target_runs_bf16
     from ..recipes import chosen_recipe
     from ..rehearsal.plan import StepModel, plan
 
@@ -15,8 +16,8 @@ def plan_run(flags: dict, target: str, target_bytes: int):
     if "model" in flags and not flags.get("dataset"):
         flags["dataset"] = "(not read by hputrain plan)"
     recipe, options, args = chosen_recipe(flags)
-    if target != "cpu" and args.precision == "auto":  # bf16 on every accelerator planned for
-        args = dataclasses.replace(args, precision="bf16-mixed")
+    if args.precision == "auto":  # decided by the device planned for, not this one
+        args = dataclasses.replace(args, precision="bf16-mixed" if target_runs_bf16(target) else "fp32")
     step = StepModel(**recipe.step_model(options))
     accelerator = detect_accelerator("cpu", "eager")  # the trace runs here, on fake tensors
     return plan(step, args, target, target_bytes, accelerator=accelerator), step.name
