@@ -397,6 +397,29 @@ def test_two_processes_train_as_one_with_the_same_global_batch(models, tmp_path,
     assert (tmp_path / "two" / "final").is_dir()
 
 
+@pytest.mark.slow
+def test_lora_under_fsdp_in_bf16_trains_against_the_adapter_disabled_base(models, tmp_path):
+    """Found by hand: with the reference's forward before the policy's, FSDP2's mixed precision
+    gave the float32 LoRA weights bf16 gradients and the run died; the policy goes first there."""
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(4))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu", "--model",
+                           str(models[0]), "--dataset", str(data), "--lora-r", "4", "--devices", "2",
+                           "--strategy", "fsdp", "--precision", "bf16-mixed", "--max-steps", "2",
+                           "--per-device-train-batch-size", "2", "--logging-steps", "1",
+                           "--gradient-checkpointing", "--validation-split-percentage", "0",
+                           "--disable-tqdm", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference = the policy
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
 def summary_of(out: Path) -> dict:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if "graph_compiles" in line][-1]

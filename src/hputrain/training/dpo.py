@@ -78,8 +78,10 @@ class PreferenceObjective:
     """The DPO loss of a batch, as `compute_loss(module, batch)`: the mean over its pairs. Sums
     the metrics on the device (`take_metrics` reads them) and counts reference forwards."""
 
-    def __init__(self, config: DPOConfig, call, reference=None, adapters=None) -> None:
+    def __init__(self, config: DPOConfig, call, reference=None, adapters=None,
+                 sharded: bool = False) -> None:
         self.config = config
+        self.sharded = sharded  # the policy is sharded (fsdp): see __call__
         self.call = call  # (module, batch) -> the model's output
         self.reference = reference  # a frozen module, or None
         self.adapters = adapters  # a PEFT model whose disabled adapters give the reference
@@ -88,11 +90,17 @@ class PreferenceObjective:
         self.pairs = 0  # this rank's pairs summed into `sums`
 
     def __call__(self, module, batch) -> torch.Tensor:
-        # the reference first: its logits are freed before the policy's forward keeps its own
+        # The reference first: its logits are freed before the policy's forward keeps its own.
+        # Not the adapter-disabled policy under fsdp: a no-grad forward of the sharded policy
+        # followed by the training one gives its float32 parameters bf16 gradients (FSDP2 with
+        # mixed precision, torch 2.13); there the policy goes first, as in TRL.
         ref_logps = batch.get("ref_logps")
+        policy_first = ref_logps is None and self.adapters is not None and self.sharded
+        logps = self._logps(module, batch) if policy_first else None
         if ref_logps is None:
             ref_logps = self.reference_logps(module, batch)
-        logps = self._logps(module, batch)
+        if logps is None:
+            logps = self._logps(module, batch)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.to(logps.dtype).chunk(2)
         tokens = batch["completion_mask"].sum(dim=1).chunk(2)
@@ -179,7 +187,8 @@ class DPOTrainer(Trainer):
                              "model), train LoRA adapters, or precompute_ref_log_probs with ref_model")
         self.ref_key = ref_key
         self.precompute_forwards = 0  # reference forwards run by precompute_reference
-        self.objective = PreferenceObjective(args, self._call_model, self._place(ref_model), adapters)
+        self.objective = PreferenceObjective(args, self._call_model, self._place(ref_model), adapters,
+                                             sharded=self.strategy.shards_state)
         self.compute_loss = self.objective
         self.count_tokens = PairCount()  # the step's loss is a mean over pairs
 
