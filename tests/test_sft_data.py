@@ -150,24 +150,35 @@ def test_end_of_turn_is_the_marker_generation_stops_at(base_tokenizer, family, v
 
 def test_tags_around_the_content_alone_get_the_end_marker_added(base_tokenizer):
     """transformers' mask covers what the tags enclose; with ChatML tagged around the content
-    only, it stops before <|im_end|>. The mask here is transformers' plus the end marker, and the
-    same as the untagged template's.
+    only, it stops before <|im_end|>. hputrain's mask is every token of each answer's characters
+    plus the end marker, and the same as the untagged template's.
 
-    transformers also stops inside a character: it marks tokens from char_to_token(start) to
-    char_to_token(end - 1), and a character of several byte-level tokens (the last answer ends in
-    U+2615, three bytes) maps to its first token only. The rest of that character is added too."""
+    The last answer ends in U+2615, three byte-level tokens of one character. transformers before
+    5.24 marked only the first of them (char_to_token of the last character); 5.24 marks all
+    three. The mask here is built from the rendered text's offsets alone, so it holds for both."""
     tagged = family_tokenizer(base_tokenizer, "chatml", "_tagged_content_only")
     ids, theirs = transformers_mask(tagged, TWO_TURNS)
     got_ids, ours = ChatTemplate(tagged).assistant_mask(TWO_TURNS, [0, 1, 2, 3], "row 0")
     assert got_ids == ids
-    assert all(ours[k] for k in range(len(ids)) if theirs[k])
+    assert all(ours[k] for k in range(len(ids)) if theirs[k])  # never less than transformers'
+    text = tagged.apply_chat_template(TWO_TURNS, tokenize=False)
+    offsets = tagged(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert len(offsets) == len(ids)
     im_end = tagged.convert_tokens_to_ids("<|im_end|>")
-    added = [k for k in range(len(ids)) if ours[k] and not theirs[k]]
-    assert [k for k in added if ids[k] == im_end] == [end - 1 for _, end in runs(ours)]
-    offsets = tagged(tagged.apply_chat_template(TWO_TURNS, tokenize=False), add_special_tokens=False,
-                     return_offsets_mapping=True)["offset_mapping"]
-    rest_of_char = [k for k in added if ids[k] != im_end]
-    assert len(rest_of_char) == 2 and all(offsets[k] == offsets[k - 1] for k in rest_of_char)
+    expected, searched_from = [False] * len(ids), 0
+    for answer in (m["content"] for m in TWO_TURNS if m["role"] == "assistant"):
+        start = text.index(answer, searched_from)
+        end = searched_from = start + len(answer)
+        inside = [k for k, (a, b) in enumerate(offsets) if a < end and b > start]
+        marker = inside[-1] + 1  # the end of turn right after the answer
+        assert ids[marker] == im_end
+        for k in [*inside, marker]:
+            expected[k] = True
+    assert ours == expected
+    # the case covers what it is about: the answer's last character spans three tokens (U+2615),
+    # the last two of which share its offsets, and the mask runs through them to the end marker
+    last_marker = runs(ours)[-1][1] - 1
+    assert offsets[last_marker - 1] == offsets[last_marker - 2] == offsets[last_marker - 3]
     plain = family_tokenizer(base_tokenizer, "chatml")
     assert ChatTemplate(plain).assistant_mask(TWO_TURNS, [0, 1, 2, 3], "row 0") == (ids, ours)
 

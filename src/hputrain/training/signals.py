@@ -7,6 +7,11 @@ the run is ending anyway. The handlers are installed from train()'s barrier on, 
 leave at about the same moment, so that a signal the launcher passes to every rank during
 start-up finds them alike: all without the handler (each ends the default way, having saved
 nothing) or all with it.
+
+A second signal ends the process at once, as torchrun's agent and Python's own default do: the
+first one puts the system's default action back, so the second is acted on by the kernel even
+while the process waits inside a collective that never returns to the interpreter (where a
+Python handler would never run).
 """
 from __future__ import annotations
 
@@ -38,3 +43,5 @@ class StopSignals:
 
     def _note(self, signum, frame) -> None:
         self.received = signum
+        for caught in CAUGHT:  # the next SIGINT or SIGTERM ends the process where it stands
+            signal.signal(caught, signal.SIG_DFL)
