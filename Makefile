@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench
+.PHONY: setup demo test test-slow test-oldest bench
 
 # torch is pinned to the CPU build on our machines; a looser requirement would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -23,6 +23,24 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The lowest versions pyproject.toml accepts, in a venv of their own, on the tests that exercise
+# them (CI runs this after `make test`): a floor that is promised is a floor that is tested.
+OLDEST := .venv-oldest
+OLDEST_PINS := transformers==4.56.2 peft==0.17.1 datasets==3.6.0 accelerate==1.10.1
+OLDEST_TESTS := tests/test_recipe_hf.py tests/test_sft_data.py tests/test_sft_recipe.py \
+	tests/test_lora_checkpoint.py tests/test_checkpoint_hf.py tests/test_hf_vocabulary.py \
+	tests/test_dpo.py tests/test_adapters.py
+
+$(OLDEST)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet --upgrade pip
+	$(OLDEST)/bin/pip install --quiet torch==2.13.0
+	$(OLDEST)/bin/pip install --quiet -e '.[plot,tensorboard,hf]' $(OLDEST_PINS) 'pytest>=7.4'
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

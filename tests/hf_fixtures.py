@@ -7,6 +7,21 @@ from pathlib import Path
 
 import pytest
 
+
+def _transformers_major() -> int:
+    try:
+        import transformers
+    except ImportError:
+        return 0
+    return int(transformers.__version__.split(".")[0])
+
+
+lazy_rehearses_hf_models = pytest.mark.skipif(
+    _transformers_major() < 5, reason="transformers before 5.0 opens torch.autocast on the lazy "
+    "device in its rotary embeddings, which torch does not support (a one-line error: "
+    "test_execution.py)")
+"""On a Llama in lazy mode on the CPU: needs transformers >= 5.0 (`make test-oldest` has 4.x)."""
+
 SAMPLE_TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "a stitch in time saves nine and a penny saved is a penny earned",

@@ -116,3 +116,29 @@ def test_compile_matches_eager_in_bf16(tmp_path):
     _, eager, _ = train_gpt(tmp_path, "eager", steps=8, bf16=True)
     _, compiled, _ = train_gpt(tmp_path, "compile", steps=8, bf16=True)
     assert compiled == pytest.approx(eager, rel=2e-3)
+
+
+class _AutocastOnItsDevice(torch.nn.Module):
+    """Opens torch.autocast on its input's device, as transformers before 5.0 does in its rotary
+    embeddings (disabled, to force float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return torch.nn.functional.mse_loss(self.linear(x), y)
+
+
+def test_a_model_that_autocasts_on_the_lazy_device_is_one_line(tmp_path):
+    """torch has no autocast for the lazy device: "unsupported scalarType" deep in torch becomes
+    one line naming the cause and what to do."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, accelerator="cpu",
+                             execution_mode="lazy", report_to="none", disable_tqdm=True)
+    data = [(torch.randn(4), torch.randn(1)) for _ in range(8)]
+    with pytest.raises(InputError) as caught:
+        Trainer(_AutocastOnItsDevice(), args, train_dataset=data).train()
+    message = str(caught.value)
+    assert "\n" not in message and "torch.autocast on the lazy device" in message
+    assert "--execution-mode eager" in message

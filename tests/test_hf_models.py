@@ -9,6 +9,8 @@ import torch
 
 from hputrain import Trainer, TrainingArguments
 
+from .hf_fixtures import lazy_rehearses_hf_models
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install hputrain[hf])")
 datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install hputrain[hf])")
 
@@ -87,6 +89,7 @@ def test_predict_pads_ragged_outputs_and_weights_the_loss_like_evaluate(tmp_path
     assert evaluated == pytest.approx(token_mean, abs=1e-5)
 
 
+@lazy_rehearses_hf_models
 def test_lazy_training_hands_back_a_saveable_model_with_ties_intact(tmp_path):
     model = _qwen2()
     assert model.lm_head.weight is model.model.embed_tokens.weight

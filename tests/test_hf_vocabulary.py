@@ -34,7 +34,8 @@ OURS = set(TrainingArguments.__dataclass_fields__)
 
 def _hf_fields() -> list[str]:
     transformers = pytest.importorskip("transformers")
-    return [f.name for f in dataclasses.fields(transformers.TrainingArguments)]
+    # the fields a user can pass (transformers before 5 also has a private `_n_gpu`, init=False)
+    return [f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
 
 
 def _one_line(exc_info) -> str:

@@ -14,7 +14,7 @@ from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.accelerators.hpu import HPUAccelerator
 from hputrain.errors import InputError
 
-from .hf_fixtures import llama_folder  # noqa: F401
+from .hf_fixtures import lazy_rehearses_hf_models, llama_folder  # noqa: F401
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install hputrain[hf])")
 
@@ -232,6 +232,7 @@ def test_context_parallel_without_causal_attention_is_an_error():
     assert context_parallel.active_group() is None
 
 
+@lazy_rehearses_hf_models
 def test_lazy_mode_on_cpu_compiles_nothing_after_warmup(tmp_path, llama_folder):  # noqa: F811
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder)

@@ -14,6 +14,7 @@ import hputrain
 from hputrain import Trainer, TrainingArguments
 from hputrain.errors import InputError
 
+from .hf_fixtures import lazy_rehearses_hf_models
 from .test_sft_recipe import chat_model, chat_rows, conversation, reference_loss  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -75,6 +76,7 @@ def test_sft_dataset_takes_a_list_of_prompt_completion_rows_and_the_trl_flags(
         hputrain.sft_dataset([{"messages": conversation(0)}, {"messages": []}], tokenizer, 32)
 
 
+@lazy_rehearses_hf_models
 def test_lazy_mode_compiles_no_graph_after_warmup_on_packed_blocks(
         tmp_path, chat_model):  # noqa: F811
     """Conversations of 89 to 165 tokens packed into blocks of 256: every batch is [2, 256]

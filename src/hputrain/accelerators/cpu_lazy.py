@@ -26,9 +26,13 @@ findings and says so.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from ..errors import InputError
 
 # The backend's own fallbacks that Gaudi has not, by the name of their lazy counter (`aten::NAME`),
 # with where they come from. Each is checked by a single-op test, which fails once torch fills
@@ -49,6 +53,32 @@ class LazyBackendGaps(TorchFunctionMode):
         kwargs = kwargs or {}
         replacement = _REPLACEMENTS.get(func)
         return (replacement or func)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def lazy_forward():
+    """The forward pass on the lazy backend: its gaps routed around (LazyBackendGaps), and the one
+    gap that cannot be, a model that opens `torch.autocast` on the lazy device (torch has no
+    autocast for it; transformers before 5.0 does so in every rotary embedding, even disabled),
+    said in one line instead of torch's "unsupported scalarType"."""
+    try:
+        with LazyBackendGaps():
+            yield
+    except RuntimeError as error:
+        if not _raised_in_autocast(error):
+            raise
+        raise InputError("lazy mode on the CPU cannot run this model: it opens torch.autocast on "
+                         "the lazy device, which torch does not support (transformers before 5.0 "
+                         "does so in its rotary embeddings): upgrade transformers to >= 5.0 to "
+                         "rehearse it, or use --execution-mode eager") from None
+
+
+def _raised_in_autocast(error: BaseException) -> bool:
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_code.co_filename.endswith(
+        ("amp/autocast_mode.py", "amp\\autocast_mode.py"))
 
 
 def _unbind(tensor, dim=0):
