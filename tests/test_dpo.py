@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .hf_fixtures import tiny_llama_folder
+from .hf_fixtures import lazy_rehearses_hf_models, tiny_llama_folder
 
 transformers = pytest.importorskip("transformers", reason="DPO fine-tunes Hugging Face models")
 
@@ -425,6 +425,7 @@ def summary_of(out: Path) -> dict:
             if "graph_compiles" in line][-1]
 
 
+@lazy_rehearses_hf_models
 def test_lazy_mode_compiles_nothing_after_warm_up(models, tmp_path):
     """Chosen and rejected padded to a few static lengths: after the warm-up steps, DPO steps
     (policy forward, adapter-disabled reference forward, backward) compile no new graph."""
@@ -476,9 +477,10 @@ def test_trl_names_hputrain_does_not_take_are_one_line(name, says):
         DPOConfig(**{name: 1})
 
 
-def test_throughput_counts_the_tokens_of_the_sequences(models, tmp_path):
-    """A DPO step's loss is a mean over pairs, but its throughput counts tokens: every sequence's,
-    chosen and rejected, without the padding."""
+def test_throughput_counts_the_tokens_of_the_sequences_and_pairs_as_samples(models, tmp_path):
+    """A DPO step's loss is a mean over pairs, and its throughput counts tokens: every sequence's,
+    chosen and rejected, without the padding; samples are pairs (issue 30 item 7: they were
+    counted twice, once per row)."""
     row = text_rows(1)[0]
     data = write_jsonl(tmp_path / "pairs.jsonl", [row] * 8)
     train(tmp_path, "run", "--model", str(models[0]), "--dataset", str(data), "--lora-r", "4",
@@ -486,10 +488,11 @@ def test_throughput_counts_the_tokens_of_the_sequences(models, tmp_path):
     summary = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                if "train_tokens_per_second" in line][-1]
     (pair,), _ = encode_pairs([("row", row)], tokenizer_of(models[0]), max_length=128)
-    tokens_per_sequence = (2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"])
-                           + len(pair["rejected_ids"])) / 2
+    tokens_per_pair = 2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
     ratio = summary["train_tokens_per_second"] / summary["train_samples_per_second"]
-    assert ratio == pytest.approx(tokens_per_sequence, rel=1e-6)
+    assert ratio == pytest.approx(tokens_per_pair, rel=1e-6)
+    pairs_per_step = summary["train_samples_per_second"] / summary["train_steps_per_second"]
+    assert pairs_per_step == pytest.approx(2, rel=1e-6)  # --per-device-train-batch-size 2
 
 
 def test_evaluation_between_logs_leaves_the_training_metrics_whole(models, tmp_path):

@@ -80,6 +80,11 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work, so that a host clock measures it."""
 
+    def collectives_take_device_tensors(self) -> bool:
+        """Whether the process group's collectives take this device's tensors, so that several
+        processes can train together (not the CPU's lazy backend: Gloo takes CPU tensors only)."""
+        return True
+
     def supports_fsdp(self) -> bool:
         """Whether FSDP2's sharding runs here: in eager and compile mode, never in lazy mode
         (Gaudi supports FSDP in eager mode and with torch.compile only)."""

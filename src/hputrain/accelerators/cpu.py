@@ -216,6 +216,9 @@ class CPUAccelerator(Accelerator):
     def dist_backend(self) -> str:
         return "gloo"
 
+    def collectives_take_device_tensors(self) -> bool:
+        return not self.lazy
+
     def forward_context(self):
         if not self.lazy:
             return super().forward_context()

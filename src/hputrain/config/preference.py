@@ -24,6 +24,12 @@ OTHER_LOSS_TYPES = {name: f"is not computed here (hputrain computes {', '.join(L
                                  "sigmoid_norm")}
 """TRL 1.16's other loss types: one line each."""
 
+DPO_DEFAULTS = {"learning_rate": 1e-6}
+"""Where DPO's defaults differ from fine-tuning's, as TRL 1.16's DPOConfig sets them (5e-5 or
+LoRA's 1e-4 usually make a full-weight policy collapse). TRL's other departures from
+TrainingArguments hputrain either has already (logging_steps 10, max_length 1024, beta 0.1) or
+leaves to the user (gradient_checkpointing, for SFT as for DPO)."""
+
 
 @dataclass(kw_only=True)
 class PreferenceOptions:
@@ -40,8 +46,9 @@ class PreferenceOptions:
     """Keep only a prompt's last tokens when prompt and completion exceed the block (TRL up to
     0.2x and Optimum's GaudiDPOTrainer); unset keeps the prompt and cuts from the end."""
     precompute_ref_log_probs: bool = False
-    """Run the reference over the training pairs once before training and cache its log-probs
-    under output_dir/.cache, so no reference forward runs during training, resume or a rerun."""
+    """Run the reference over the training and evaluation pairs once before training and cache
+    its log-probs under output_dir/.cache, so no reference forward runs during training,
+    evaluation, resume or a rerun (a frozen reference model is then freed)."""
 
 
 def check_preference(options) -> None:
@@ -72,6 +79,8 @@ def preference_flags_given(options) -> list[str]:
 class DPOConfig(TrainingArguments, PreferenceOptions):
     """TrainingArguments with the DPO settings: `hputrain.DPOTrainer`'s args."""
 
+    learning_rate: float = DPO_DEFAULTS["learning_rate"]
+    """AdamW's initial learning rate: TRL's DPOConfig default (DPO_DEFAULTS)."""
     max_length: int | None = 1024
     """Tokens of prompt + completion kept from the start (TRL's keep_start; rows whose prompt
     alone fills it are left out, counted); None keeps everything."""

@@ -34,6 +34,7 @@ class FSDP(Strategy):
 
     name = "fsdp"
     shards_state = True
+    forward_is_collective = True  # each block's weights are gathered from every rank
 
     def __init__(self, group, settings: ParallelismSettings, precision=None) -> None:
         self.group = group

@@ -36,6 +36,11 @@ def select_strategy(settings: ParallelismSettings, group: ProcessGroup, accelera
         return Strategy()
     if not group.distributed:
         return Strategy()  # ddp of one process is one process
+    if accelerator is not None and not accelerator.collectives_take_device_tensors():
+        raise InputError(f"execution_mode={accelerator.execution_mode!r} on {accelerator.name} "
+                         f"runs one process, not {group.world_size}: the collectives between "
+                         "processes take no lazy tensors; rehearse one rank (devices=1) or set "
+                         "execution_mode='eager'")
     if name == "ddp":
         return DDP(settings.ddp_bucket_cap_mb, settings.ddp_find_unused_parameters)
     return FastDDP(group, settings.fast_ddp_bf16_gradients)

@@ -24,6 +24,9 @@ class Strategy:
     #: Whether each rank holds only its shards of the model and optimizer state (checkpoints are
     #: then written shard by shard).
     shards_state = False
+    #: Whether a forward of the wrapped model talks to the other ranks (fsdp gathers weights,
+    #: DDP broadcasts buffers): evaluation then runs the ranks in step, whatever their share.
+    forward_is_collective = False
 
     def place(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The model on this rank's device, before `wrap`."""
@@ -55,6 +58,7 @@ class DDP(Strategy):
     skipped on the micro-batches before the last of a step."""
 
     name = "ddp"
+    forward_is_collective = True  # rank 0's buffers (rotary frequencies ...) go to every rank
 
     def __init__(self, bucket_cap_mb: int | None = None, find_unused_parameters: bool = False) -> None:
         self.bucket_cap_mb, self.find_unused_parameters = bucket_cap_mb, find_unused_parameters

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config.preference import DPOConfig, preference_values
+from ..config.preference import DPO_DEFAULTS, DPOConfig, preference_values
 from ..data.preference import PairStats, encode_pairs, pair_shape
 from ..errors import InputError
 from . import hf_data
@@ -47,7 +47,8 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
                          accelerator_config=accelerator_config)
     if trainer.group.is_main:
         print(_header(options, model, stats, len(train), len(validation or ()), block_size,
-                      reference, pair_shape(hf_data.columns_of(options.dataset) or [])))
+                      reference, pair_shape(hf_data.columns_of(options.dataset) or []))
+              + _defaults_line(training_args))
     output = trainer.train()
     final = save_final(trainer, output)
     if not trainer.group.is_main:
@@ -91,6 +92,17 @@ def _identity(folder: Path) -> str:
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
     return repr([str(folder.resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                            for p in files])
+
+
+def _defaults_line(training_args) -> str:
+    """The line naming DPO's own defaults in use (a value the user set to the same number is
+    named too: harmless, and the flag to change it is the same)."""
+    kept = [f"{name} {value:g}" for name, value in DPO_DEFAULTS.items()
+            if getattr(training_args, name) == value]
+    if not kept:
+        return ""
+    flags = ", ".join(f"--{name.replace('_', '-')}" for name in DPO_DEFAULTS)
+    return f"hputrain: defaults for DPO: {', '.join(kept)} (TRL's DPOConfig); set {flags} to change\n"
 
 
 def _header(options, model, stats: PairStats, train: int, held: int, block_size: int,

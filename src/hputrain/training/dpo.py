@@ -6,8 +6,9 @@ through the model in one forward. A completion's log-probability is the sum of i
 log-probabilities (the prompt and the padding left out); the reference's comes from one of
 (cheapest first):
 
-- the batch itself, precomputed once before training (precompute_ref_log_probs, cached under
-  output_dir/.cache, so a resume or a rerun runs no reference forward at all);
+- the batch itself, precomputed once before training for the training and evaluation pairs
+  (precompute_ref_log_probs, cached under output_dir/.cache, so a resume or a rerun runs no
+  reference forward at all; a frozen reference model is freed afterwards);
 - the policy with its LoRA adapters disabled (a PEFT model and no ref_model): no second copy;
 - a separate frozen model (ref_model), placed like the policy (sharded under fsdp).
 
@@ -19,6 +20,8 @@ logps/rejected): summed on the device each micro-batch and read back only at log
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -79,15 +82,33 @@ class PreferenceObjective:
     the metrics on the device (`take_metrics` reads them) and counts reference forwards."""
 
     def __init__(self, config: DPOConfig, call, reference=None, adapters=None,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.sharded = sharded  # the policy is sharded (fsdp): see __call__
         self.call = call  # (module, batch) -> the model's output
         self.reference = reference  # a frozen module, or None
         self.adapters = adapters  # a PEFT model whose disabled adapters give the reference
+        self.device = device  # where `take_metrics` puts the zeros of a rank that summed nothing
         self.reference_forwards = 0
         self.sums: torch.Tensor | None = None
         self.pairs = 0  # this rank's pairs summed into `sums`
+        self.counting = True  # False around a batch repeated only to keep ranks in step
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether a reference forward can still run (the frozen model is freed once every split
+        carries precomputed log-probs)."""
+        return self.reference is not None or self.adapters is not None
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Batches run inside count in no metric (the batches evaluation repeats on a rank that
+        has run out, to keep it in step with its peers under fsdp or ddp)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def __call__(self, module, batch) -> torch.Tensor:
         # The reference first: its logits are freed before the policy's forward keeps its own.
@@ -113,6 +134,11 @@ class PreferenceObjective:
 
     def reference_logps(self, module, batch) -> torch.Tensor:
         """The reference's log-probabilities of the batch's completions (no gradient)."""
+        if not self.has_reference:
+            raise InputError("these pairs carry no reference log-probs and the reference model was "
+                             "freed after precomputing the training and evaluation pairs: evaluate "
+                             "them before train(), or pass pairs with ref_chosen_logps and "
+                             "ref_rejected_logps")
         self.reference_forwards += 1
         with torch.no_grad():
             if self.reference is not None:
@@ -125,6 +151,8 @@ class PreferenceObjective:
         return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
 
     def _add_metrics(self, chosen, rejected, ref_chosen, ref_rejected) -> None:
+        if not self.counting:
+            return
         beta = self.config.beta
         chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
         sums = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
@@ -135,14 +163,15 @@ class PreferenceObjective:
 
     def take_metrics(self, group, prefix: str = "") -> dict:
         """The metrics' means over every rank's pairs since the last call (one device read), then
-        zeroed. Every rank calls it (an all-reduce)."""
-        if self.sums is None:
-            return {}
-        sums = torch.cat([self.sums.float(), torch.tensor([float(self.pairs)]).to(self.sums.device)])
+        zeroed; {} when no rank summed a pair. Every rank calls it and enters the all-reduce,
+        with zeros when its share of the data gave it nothing to sum."""
+        mine = self.sums if self.sums is not None else torch.zeros(len(METRICS), device=self.device)
+        sums = torch.cat([mine.float(), torch.tensor([float(self.pairs)]).to(mine.device)])
         sums = group.all_reduce_sum(sums).tolist()
         self.sums, self.pairs = None, 0
-        pairs = max(sums[-1], 1.0)
-        return {f"{prefix}{name}": value / pairs for name, value in zip(METRICS, sums)}
+        if sums[-1] == 0:
+            return {}
+        return {f"{prefix}{name}": value / sums[-1] for name, value in zip(METRICS, sums)}
 
 
 class PairCount:
@@ -152,6 +181,11 @@ class PairCount:
     shifts_labels = False
 
     def __call__(self, batch) -> int:
+        return pairs_in(batch)
+
+    def samples(self, batch) -> int:
+        """Throughput's samples: pairs (a pair's chosen and rejected rows are one sample, as in
+        TRL)."""
         return pairs_in(batch)
 
     def seen(self, batches: list, counts: list[int]) -> int:
@@ -188,7 +222,7 @@ class DPOTrainer(Trainer):
         self.ref_key = ref_key
         self.precompute_forwards = 0  # reference forwards run by precompute_reference
         self.objective = PreferenceObjective(args, self._call_model, self._place(ref_model), adapters,
-                                             sharded=self.strategy.shards_state)
+                                             sharded=self.strategy.shards_state, device=self.device)
         self.compute_loss = self.objective
         self.count_tokens = PairCount()  # the step's loss is a mean over pairs
 
@@ -204,22 +238,37 @@ class DPOTrainer(Trainer):
 
     def _place(self, ref_model):
         """The reference on this rank's device in the policy's precision, frozen; sharded like the
-        policy under fsdp (whose forward is a collective)."""
+        policy under fsdp (whose forward is a collective). Under bf16 its weights are stored in
+        bf16: no gradient or optimizer needs float32 masters, and autocast would otherwise cast
+        every weight again at each forward (and hold twice the memory)."""
         if ref_model is None:
             return None
         ref_model = self.precision.convert_module(ref_model).requires_grad_(False).eval()
+        if self.precision.compute_dtype == torch.bfloat16:
+            ref_model = ref_model.to(torch.bfloat16)
         return self.strategy.place_frozen(ref_model, self.device)
 
     def method_metrics(self) -> dict:
         return self.objective.take_metrics(self.group)
 
+    def _evaluator(self):
+        # A batch that a rank repeats only to keep in step with its peers counts in no
+        # metric: its loss is already weighted 0 in eval_loss, and the objective skips its sums.
+        return dataclasses.replace(super()._evaluator(), uncounted=self.objective.uncounted)
+
     def evaluate(self, eval_dataset=None) -> dict:
-        """eval_loss (the mean over pairs) and the metrics with eval_ names."""
+        """eval_loss (the mean over pairs) and the metrics with eval_ names. Pairs without
+        reference log-probs once the reference is freed (precompute_ref_log_probs, after train)
+        take them from the cache, else the error says what to do."""
         objective = self.objective
+        pairs = _encoded(eval_dataset, self.processing_class, self.args)
+        if pairs and not objective.has_reference and not _carries_reference(pairs):
+            with self._model_on_device():
+                pairs = self.precompute_reference(pairs)
         training = objective.sums, objective.pairs  # summed since the last log: kept for it
         objective.sums, objective.pairs = None, 0
         try:
-            metrics = super().evaluate(_encoded(eval_dataset, self.processing_class, self.args))
+            metrics = super().evaluate(pairs)
             metrics.pop("eval_perplexity", None)  # exp of a DPO loss means nothing
             return {**metrics, **objective.take_metrics(self.group, prefix="eval_")}
         finally:
@@ -227,10 +276,13 @@ class DPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | None = None):
         if self.args.precompute_ref_log_probs:
+            # Every split that will be evaluated, as TRL does (train and eval): the frozen
+            # reference is freed only once no split needs it.
             with self._model_on_device():
                 self.train_dataset = self.precompute_reference(self.train_dataset)
-            if self.objective.reference is not None:  # no longer needed: free its memory
-                self.objective.reference = None
+                if self.eval_dataset:
+                    self.eval_dataset = self.precompute_reference(self.eval_dataset)
+            self.objective.reference = None  # no longer needed: free its memory
         return super().train(resume_from_checkpoint)
 
     def precompute_reference(self, pairs: list[dict]) -> list[dict]:
@@ -292,6 +344,10 @@ def _encoded(dataset, tokenizer, config: DPOConfig):
     pairs, _ = encode_pairs(((f"row {i + 1}", row) for i, row in enumerate(rows)), tokenizer,
                             max_length=config.max_length, max_prompt_length=config.max_prompt_length)
     return pairs
+
+
+def _carries_reference(pairs: list[dict]) -> bool:
+    return all(REF_KEYS[0] in pair for pair in pairs)
 
 
 def _pad_id(tokenizer) -> int:

@@ -88,7 +88,7 @@ class Evaluator:
     group: object
     """The ProcessGroup: this rank's share, and the sums and gathers over ranks."""
     lockstep: bool
-    """Whether ranks must run in step (a strategy whose forward is a collective: fsdp)."""
+    """Whether ranks must run in step (a strategy whose forward is a collective: fsdp, ddp)."""
     device: torch.device
     non_blocking: bool
     on_host: Callable
@@ -101,6 +101,9 @@ class Evaluator:
     mark_step: Callable
     on_device: Callable
     """A context manager keeping the model on the device for the duration."""
+    uncounted: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around the loss of a batch repeated only to keep this rank in step: a loss that
+    sums metrics of its own (DPO's rewards) leaves that batch out of them, as eval_loss does."""
 
     def steps(self, dataset, loss: bool, output: bool):
         """The one batch loop of evaluate() and predict(): per batch of this rank's share, in eval
@@ -113,7 +116,7 @@ class Evaluator:
                 batch = self.on_host(batch)
                 count = self.count_tokens(batch) if real else 0
                 batch = to_device(batch, self.device, self.non_blocking)
-                with self.forward_context():
+                with self.forward_context(), (contextlib.nullcontext() if real else self.uncounted()):
                     out = (self.forward(batch, module)
                            if output or (loss and self.compute_loss is None) else None)
                     value = None
@@ -199,8 +202,9 @@ def eval_mode(model: torch.nn.Module):
 
 def eval_batches(evaluator: Evaluator, dataset):
     """(batch, real) pairs of this rank's share. Under a strategy whose forward is a collective
-    (fsdp gathers each block's weights), ranks run in step: one that has run out of batches
-    repeats its last one, not counted (real False), until every rank is done."""
+    (fsdp gathers each block's weights, DDP broadcasts rank 0's buffers), ranks run in step: one
+    that has run out of batches repeats its last one, not counted (real False), until every rank
+    is done. A rank that would skip a forward its peers run would hang them."""
     group = evaluator.group
     batches = MicroBatches(dataset, evaluator.collate, evaluator.batch_size, 1, group.dp_rank,
                            group.dp_size, evaluator.seed, shuffle=False, drop_last=False).iterate(0, epochs=1)
@@ -215,7 +219,8 @@ def eval_batches(evaluator: Evaluator, dataset):
         if batch is None and last is None:  # fewer samples than ranks: borrow one, uncounted
             if not hasattr(dataset, "__getitem__"):
                 raise InputError("the evaluation set is too small to give every rank a batch "
-                                 "under fsdp: evaluate on more samples")
+                                 "(ranks evaluate in step under fsdp and ddp): evaluate on more "
+                                 "samples")
             last = evaluator.collate([dataset[0]])
         last = batch if batch is not None else last
         yield last, batch is not None

@@ -1,0 +1,176 @@
+"""The combination table of issue 30: every choice a user makes in `hputrain train --model DIR
+--dataset FILE` is a factor, and a covering array picks the cases so that every pair (or, under
+the slow marker, every triple) of levels that a user can ask for runs together at least once.
+
+A level "n/a" marks a factor that does not apply (packing for text and preference pairs: text is
+always packed into blocks and pairs are padded to length buckets; a reference outside DPO). The
+pairs refused by design are left out of the table and tested for their one line in
+test_combinations.py (REFUSED)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+NA = "n/a"
+
+# factor -> levels; the order of the factors is the order of the parts of a case's name
+FACTORS = {
+    "method": ("text", "chat", "completion", "dpo"),
+    "adapters": ("full", "lora"),
+    "packing": ("packed", "unpacked", NA),
+    "processes": ("1proc", "ddp2", "fsdp2"),
+    "mode": ("eager", "lazy"),
+    "validation": ("noval", "val"),
+    "reference": ("ref_adapters", "ref_frozen", "ref_model", "ref_precomputed", NA),
+    "precision": ("fp32", "bf16"),
+}
+
+# Pairs refused by design (each is tested for its one-line error, exit 2): left out of the table.
+REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
+                 # the CPU's lazy backend, the rehearsal of Gaudi's, runs one process
+                 frozenset({("mode", "lazy"), ("processes", "ddp2")})}
+
+# The combinations issue 30 found broken, run first whatever the covering array picks.
+ISSUE_CASES = (
+    # item 1: LoRA SFT on conversations with the default packing exited 2
+    dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
+         validation="noval", reference=NA, precision="fp32"),
+    # item 2: full-weight DPO, precomputed reference, a validation split: a traceback at the end
+    dict(method="dpo", adapters="full", packing=NA, processes="1proc", mode="eager",
+         validation="val", reference="ref_precomputed", precision="fp32"),
+    # item 3: LoRA DPO on 2 processes, a validation split that leaves a rank without a batch: a hang
+    dict(method="dpo", adapters="lora", packing=NA, processes="ddp2", mode="eager",
+         validation="val", reference="ref_adapters", precision="fp32"),
+)
+
+
+def allowed(case: dict) -> bool:
+    """Whether a full assignment of levels is a run a user can ask for and hputrain takes."""
+    packs = case["method"] in ("chat", "completion")
+    if (case["packing"] == NA) == packs:
+        return False  # packing is a choice for SFT data only
+    dpo = case["method"] == "dpo"
+    if (case["reference"] == NA) == dpo:
+        return False  # a reference is a choice for DPO only
+    if case["reference"] == "ref_adapters" and case["adapters"] != "lora":
+        return False  # the adapter-disabled base needs adapters
+    if case["reference"] == "ref_frozen" and case["adapters"] != "full":
+        return False  # under LoRA without --ref-model the reference is the adapter-disabled base
+    levels = set(case.items())
+    return not any(pair <= levels for pair in REFUSED_PAIRS)
+
+
+def _tuples(case: dict, strength: int) -> set:
+    return {tuple((name, case[name]) for name in names)
+            for names in itertools.combinations(FACTORS, strength)}
+
+
+def _cost(case: dict) -> int:
+    """A rough price of a case, to prefer the cheaper of two that cover as much."""
+    return ((case["processes"] != "1proc") * 4 + (case["mode"] == "lazy") * 2
+            + (case["precision"] == "bf16") + (case["validation"] == "val"))
+
+
+def covering_cases(strength: int = 2, required=ISSUE_CASES) -> list[dict]:
+    """Cases (dicts factor -> level) in which every `strength`-tuple of levels that occurs in some
+    allowed case occurs at least once: the required cases, then greedily the allowed case that
+    covers the most tuples not yet covered (the cheaper on a tie). Deterministic."""
+    candidates = [dict(zip(FACTORS, levels)) for levels in itertools.product(*FACTORS.values())]
+    candidates = [case for case in candidates if allowed(case)]
+    covers = [_tuples(case, strength) for case in candidates]
+    uncovered = set().union(*covers)
+    chosen = []
+    for case in required:
+        if not allowed(case):
+            raise ValueError(f"required case {case_id(case)} is not allowed")
+        chosen.append(dict(case))
+        uncovered -= _tuples(case, strength)
+    while uncovered:
+        best = max(range(len(candidates)),
+                   key=lambda i: (len(covers[i] & uncovered), -_cost(candidates[i])))
+        chosen.append(candidates[best])
+        uncovered -= covers[best]
+    return chosen
+
+
+def case_id(case: dict) -> str:
+    """The case's name: its levels in factor order, n/a left out."""
+    return "-".join(case[name] for name in FACTORS if case[name] != NA)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The fixture files a case's flags name."""
+    model: str
+    ref_model: str
+    datasets: dict  # method -> data file
+
+
+# Small enough for two steps in a few seconds, and a validation split of a few rows (3 pairs, 3
+# examples or 1 text block) under an evaluation batch of 4: under 2 processes one rank has no batch.
+COMMON = ["--max-steps", "2", "--save-steps", "1", "--logging-steps", "1", "--block-size", "128",
+          "--per-device-train-batch-size", "2", "--per-device-eval-batch-size", "4",
+          "--learning-rate", "1e-3", "--seed", "0", "--disable-tqdm", "--cpu"]
+
+
+def case_flags(case: dict, inputs: Inputs) -> list[str]:
+    """The `hputrain train` arguments of a case (output and resume flags aside)."""
+    flags = ["--model", inputs.model, "--dataset", inputs.datasets[case["method"]], *COMMON]
+    flags += ["--lora-r", "4"] if case["adapters"] == "lora" else []
+    flags += ["--no-packing"] if case["packing"] == "unpacked" else []
+    if case["processes"] != "1proc":
+        flags += ["--devices", "2", "--strategy", case["processes"].removesuffix("2")]
+    flags += ["--execution-mode", case["mode"]]
+    flags += ["--validation-split-percentage", "8" if case["validation"] == "val" else "0"]
+    flags += {"ref_model": ["--ref-model", inputs.ref_model],
+              "ref_precomputed": ["--precompute-ref-log-probs"]}.get(case["reference"], [])
+    flags += ["--precision", "bf16-mixed" if case["precision"] == "bf16" else "fp32"]
+    return flags
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A pair refused by design: its levels, the flags that ask for it (beside --model, --dataset
+    of `method`, COMMON) and the one line `hputrain train` answers with (exit 2)."""
+    name: str
+    method: str
+    flags: tuple
+    line: str
+    processes: bool  # whether the refusal comes from the ranks (needs real processes)
+
+
+REFUSED = (
+    Refusal("lazy+fsdp2", "chat", ("--devices", "2", "--strategy", "fsdp", "--execution-mode", "lazy"),
+            "hputrain: error: strategy='fsdp' runs in eager or compile mode, not lazy: set "
+            "execution_mode='eager' or 'compile'", processes=True),
+    Refusal("lazy+ddp2", "chat", ("--devices", "2", "--strategy", "ddp", "--execution-mode", "lazy"),
+            "hputrain: error: execution_mode='lazy' on cpu runs one process, not 2: the collectives "
+            "between processes take no lazy tensors; rehearse one rank (devices=1) or set "
+            "execution_mode='eager'", processes=True),
+    Refusal("fsdp2+context_parallel", "chat",
+            ("--devices", "2", "--strategy", "fsdp", "--context-parallel-size", "2", "--no-packing"),
+            "hputrain: error: strategy='fsdp' with context_parallel_size > 1 is not supported yet: "
+            "use ddp or fast_ddp with context parallelism", processes=True),
+    Refusal("dpo+context_parallel", "dpo", ("--devices", "2", "--context-parallel-size", "2",
+                                            "--lora-r", "4"),
+            "hputrain: error: DPO under context parallelism is not supported: set "
+            "context_parallel_size=1", processes=True),
+    Refusal("packed_sft+context_parallel", "chat", ("--devices", "2", "--context-parallel-size", "2"),
+            "hputrain: error: packed SFT blocks under context parallelism are not supported (each "
+            "rank would hold a slice of several examples): use --no-packing", processes=True),
+    Refusal("ref_model+text", "text", ("--ref-model", "{ref_model}"),
+            "hputrain: error: --ref-model is for preference pairs (DPO), and --dataset {dataset} "
+            "holds none", processes=False),
+    Refusal("ref_precomputed+chat", "chat", ("--precompute-ref-log-probs",),
+            "hputrain: error: --precompute-ref-log-probs is for preference pairs (DPO), and "
+            "--dataset {dataset} holds none", processes=False),
+)
+
+
+def refusal_flags(refusal: Refusal, inputs: Inputs) -> tuple[list[str], str]:
+    """(the `hputrain train` arguments of a refused pair, the line expected on stderr)."""
+    dataset = inputs.datasets[refusal.method]
+    flags = [f.format(ref_model=inputs.ref_model) for f in refusal.flags]
+    argv = ["--model", inputs.model, "--dataset", dataset, *COMMON, "--validation-split-percentage",
+            "0", *flags]
+    return argv, refusal.line.format(dataset=dataset)
