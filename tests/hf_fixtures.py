@@ -79,3 +79,16 @@ def write_text_file(path: Path, lines: int = 200) -> Path:
 def llama_folder(tmp_path_factory) -> Path:
     """One tiny Llama folder for the whole session (read-only: copy it to change it)."""
     return tiny_llama_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def llama_config_folder(folder: Path, vocab_size: int = 4096, hidden_size: int = 256,
+                        intermediate_size: int = 704, layers: int = 4, heads: int = 8) -> Path:
+    """A Llama folder with config.json alone: all `hputrain plan` reads (a measured run draws
+    random weights)."""
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                             intermediate_size=intermediate_size, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=heads // 2,
+                             max_position_embeddings=512).save_pretrained(folder)
+    return folder

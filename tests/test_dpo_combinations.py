@@ -36,7 +36,7 @@ def last_eval(out: Path) -> dict:
     return [r for r in records(out) if "eval_loss" in r][-1]
 
 
-def encoded(models, rows: list[dict]) -> list[dict]:
+def encoded(models, rows: list[dict]) -> list[dict]:  # noqa: F811
     pairs, _ = encode_pairs(((str(i), r) for i, r in enumerate(rows)), tokenizer_of(models[0]),
                             max_length=128)
     return pairs
@@ -44,7 +44,7 @@ def encoded(models, rows: list[dict]) -> list[dict]:
 
 # -- item 2: a precomputed reference and a validation split ----------------------------------------
 
-def test_precomputed_reference_covers_the_validation_split(models, tmp_path, capsys):
+def test_precomputed_reference_covers_the_validation_split(models, tmp_path, capsys):  # noqa: F811
     """Full-weight DPO (a frozen copy as the reference) with --precompute-ref-log-probs and a
     validation split ended in an AttributeError at the final evaluation. Now both splits are
     precomputed, the run finishes, and its evaluation equals the live reference's."""
@@ -70,7 +70,7 @@ def test_precomputed_reference_covers_the_validation_split(models, tmp_path, cap
     assert len(list((tmp_path / "pre" / ".cache").glob("dpo-ref-*.npy"))) == 2
 
 
-def test_evaluating_other_pairs_after_the_reference_is_freed(models, tmp_path):
+def test_evaluating_other_pairs_after_the_reference_is_freed(models, tmp_path):  # noqa: F811
     """After train() with a precomputed reference, the frozen reference is gone: pairs whose
     log-probs are cached evaluate as with the live reference; others are one line."""
     rows = text_rows(6)
@@ -94,7 +94,7 @@ def test_evaluating_other_pairs_after_the_reference_is_freed(models, tmp_path):
         assert cached[key] == pytest.approx(live[key], abs=1e-6), key
 
 
-def test_a_missing_reference_is_one_line_not_an_attribute_error(models, tmp_path):
+def test_a_missing_reference_is_one_line_not_an_attribute_error(models, tmp_path):  # noqa: F811
     pairs = encoded(models, text_rows(2))
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, max_length=128)
     trainer = DPOTrainer(load(models[0]), args, ref_model=load(models[1]),
@@ -153,7 +153,7 @@ def run_cli(out: Path, *args: str, timeout: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, reference", [
     pytest.param("ddp", "lora", marks=pytest.mark.ci), ("fsdp", "frozen copy")])
-def test_a_rank_without_a_validation_batch_neither_hangs_nor_counts(models, tmp_path, strategy,
+def test_a_rank_without_a_validation_batch_neither_hangs_nor_counts(models, tmp_path, strategy,  # noqa: F811
                                                                      reference):
     """40 pairs, 8% held out: 3 validation pairs, one batch of 4, all on rank 0. Rank 1 skipped
     the metrics' all-reduce and the job hung after training (ddp); under fsdp rank 1 runs a
@@ -175,7 +175,7 @@ def test_a_rank_without_a_validation_batch_neither_hangs_nor_counts(models, tmp_
 
 # -- item 4: a frozen reference under bf16 ---------------------------------------------------------
 
-def test_a_frozen_reference_is_kept_in_bf16_under_bf16(models, tmp_path):
+def test_a_frozen_reference_is_kept_in_bf16_under_bf16(models, tmp_path):  # noqa: F811
     """Under bf16 the policy keeps float32 masters (autocast computes in bf16), but a frozen
     reference needs none: its weights are bf16 (half the memory), and the loss stays that of
     the float32 reference under the same autocast."""
@@ -203,7 +203,7 @@ def test_dpo_config_defaults_to_trls_learning_rate():
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_recipe_takes_dpos_defaults_and_a_flag_wins(models, tmp_path, lora):
+def test_the_recipe_takes_dpos_defaults_and_a_flag_wins(models, tmp_path, lora):  # noqa: F811
     from hputrain.recipes import chosen_recipe
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", text_rows(4))
@@ -220,7 +220,7 @@ def test_the_recipe_takes_dpos_defaults_and_a_flag_wins(models, tmp_path, lora):
     assert learning_rate(pairs, method="dpo") == 1e-6
 
 
-def test_the_header_names_dpos_defaults(models, tmp_path, capsys):
+def test_the_header_names_dpos_defaults(models, tmp_path, capsys):  # noqa: F811
     data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(4))
     common = ["train", "--model", str(models[0]), "--dataset", str(data), "--max-steps", "1",
               "--per-device-train-batch-size", "2", "--validation-split-percentage", "0",

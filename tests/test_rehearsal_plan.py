@@ -19,6 +19,8 @@ from hputrain.cli import build_parser, main
 from hputrain.recipes import chosen_recipe
 from hputrain.rehearsal.plan import CATEGORIES, StepModel, StepPeak, trace_step
 
+from .hf_fixtures import llama_config_folder
+
 transformers = pytest.importorskip("transformers")
 
 GPT = ["--model-size", "small", "--seq-len", "128", "--per-device-train-batch-size", "4"]
@@ -32,10 +34,7 @@ def _on_cpu(monkeypatch):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     """A folder with config.json only: all the plan reads."""
-    folder = tmp_path_factory.mktemp("llama-config")
-    transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704,
-                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                             max_position_embeddings=512).save_pretrained(folder)
+    folder = llama_config_folder(tmp_path_factory.mktemp("llama-config"))
     assert not list(folder.glob("*.safetensors"))
     return folder
 
@@ -152,6 +151,7 @@ def test_a_70b_config_plans_for_8_gaudi2_without_reading_or_allocating_it(tmp_pa
                            "fsdp", "--per-device-train-batch-size", "1", "--block-size", "2048"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no weights, before or after
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     assert peak_rss < 2 * 2**30  # the model is 280 GB in fp32; one rank's share 35 GB

@@ -5,11 +5,11 @@ import torch
 
 from .base import GB, Accelerator
 
-# Dense peak FLOP/s per GPU (tensor cores, no sparsity), matched on a substring of the name.
 MIB = 2**20
 MEMORY_BYTES = {"h100": 81559 * MIB, "h200": 143771 * MIB, "a100": 81920 * MIB}
 """Each GPU's memory as nvidia-smi reports it (H100 SXM 80 GB, H200 141 GB, A100 80 GB): the
 targets of `hputrain plan`."""
+# Dense peak FLOP/s per GPU (tensor cores, no sparsity), matched on a substring of the name.
 _PEAK_FLOPS = {
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12,
              torch.float8_e4m3fn: 1979e12},

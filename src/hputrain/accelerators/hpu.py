@@ -24,6 +24,8 @@ _PEAK_BF16_FLOPS = {"GAUDI3": 1835e12, "GAUDI2": 432e12}
 GIB = 2**30
 MEMORY_BYTES = {"gaudi2": 96 * GIB, "gaudi3": 128 * GIB}
 """Each Gaudi's HBM, as hl-smi reports it (98304 and 131072 MiB): the targets of `hputrain plan`."""
+DIST_BACKEND = "hccl"
+"""Gaudi's collectives (registered by the runtime; `hputrain plan` names it without importing)."""
 # Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
 _TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
 _FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8
@@ -118,7 +120,7 @@ class HPUAccelerator(Accelerator):
 
     def dist_backend(self) -> str:
         self._runtime("habana_frameworks.torch.distributed.hccl")  # registers "hccl"
-        return "hccl"
+        return DIST_BACKEND
 
     def compile_backend(self) -> str:
         return "hpu_backend"

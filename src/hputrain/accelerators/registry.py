@@ -73,6 +73,26 @@ def target_memory() -> dict[str, int]:
     return {**GAUDIS, **GPUS, "cpu": int(ram)}
 
 
+def target_dist_backend(name: str) -> str | None:
+    """The communication backend a run on the planned device uses by default (what its
+    collectives copy is the plan's business); None for a name that is not a target."""
+    from .cpu import CPUAccelerator
+    from .cuda import CUDAAccelerator, MEMORY_BYTES as GPUS
+    from .hpu import (DIST_BACKEND as GAUDI_BACKEND,
+                      MEMORY_BYTES as GAUDIS)
+
+    if name in GAUDIS:
+        return GAUDI_BACKEND
+    if name in GPUS:
+        return CUDAAccelerator().dist_backend()
+    return CPUAccelerator().dist_backend() if name == "cpu" else None
+
+
+def target_is_host(name: str) -> bool:
+    """Whether the planned device is the host itself (nothing to offload its memory to)."""
+    return name == "cpu"
+
+
 def target_runs_bf16(name: str) -> bool:
     """Whether precision "auto" means bf16 on the planned device: on every Gaudi and GPU planned
     for, and on this machine's CPU where bf16 is native."""

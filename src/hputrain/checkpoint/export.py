@@ -45,8 +45,20 @@ def write_adapter(model: torch.nn.Module, folder: Path, state: dict[str, torch.T
     """For a PEFT model, adapter_model.safetensors and adapter_config.json from `state` (names
     as the model's state dict has them; PEFT keeps its adapter's); nothing for other models."""
     if is_peft_model(model):
+        _absolute_base_path(model)
         model.save_pretrained(str(folder), state_dict=state, safe_serialization=True,
                               is_main_process=True)
+
+
+def _absolute_base_path(model) -> None:
+    """adapter_config.json's base_model_name_or_path as an absolute path where it names a folder
+    on this machine: the relative path typed at training time breaks from any other working
+    directory. The base model's own name_or_path (the folder it was loaded from) comes first."""
+    loaded_from = getattr(model.get_base_model(), "name_or_path", None)
+    for config in model.peft_config.values():
+        named = loaded_from or config.base_model_name_or_path
+        if isinstance(named, str) and named and Path(named).expanduser().is_dir():
+            config.base_model_name_or_path = str(Path(named).expanduser().resolve())
 
 
 def _write_weights(model: torch.nn.Module, folder: Path, state: dict, max_shard_size) -> None:

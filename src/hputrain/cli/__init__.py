@@ -101,6 +101,15 @@ def _env_parser(sub) -> None:
 def cmd_export(args) -> int:
     from pathlib import Path
 
+    if args.merge is not None:  # a PEFT adapter folder merged into its base: one model folder
+        from ..recipes.hf_export import export_merged
+
+        if not args.output:
+            raise InputError("--merge needs --output DIR, the new model folder to write")
+        print(export_merged(args.merge, args.output, args.base_model))
+        return 0
+    if args.base_model:
+        raise InputError("--base-model is the base of the adapter folder given with --merge")
     from ..checkpoint.sharded import export_model
 
     output = export_model(Path(args.checkpoint), Path(args.output) if args.output else None)
@@ -110,11 +119,21 @@ def cmd_export(args) -> int:
 
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="the whole model of a sharded (fsdp) checkpoint as one "
-                                      "model.safetensors, in one process")
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint-STEP folder written by a sharded run")
-    p.add_argument("--output", metavar="FILE",
-                   help="where to write it (default: DIR/model.safetensors)")
+                                      "model.safetensors, in one process; or (--merge) a LoRA "
+                                      "adapter folder merged into its base as one model folder")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a checkpoint-STEP folder written by a sharded run")
+    source.add_argument("--merge", metavar="ADAPTER",
+                        help="a PEFT adapter folder (a LoRA run's output_dir/final): written "
+                             "merged into its base model, as save_pretrained writes a model "
+                             "(config.json, model.safetensors, the tokenizer), into --output DIR")
+    p.add_argument("--output", metavar="PATH",
+                   help="where to write it: with --checkpoint a file (default: "
+                        "DIR/model.safetensors); with --merge a new folder (required)")
+    p.add_argument("--base-model", "--base_model", dest="base_model", metavar="DIR",
+                   help="with --merge: the base model folder (default: the one the adapter's "
+                        "adapter_config.json names)")
     p.set_defaults(func=cmd_export)
 
 

@@ -1,11 +1,15 @@
 """`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face model over a
 whole data set, read as `hputrain train` reads it (text, or SFT rows by their columns): every
 counted token of it, none held out; preference pairs give DPO's loss and rewards against
---ref-model DIR. Works on a run's output_dir/final. The tokenized data is
-cached in --cache-dir when given, else in a temporary folder removed at the end."""
+--ref-model DIR. Works on a run's output_dir/final, a LoRA run's adapter folder included (on
+the base model its adapter_config.json names, or --base-model DIR). Examples longer than
+--block-size are cut to it, and said so. The tokenized data is cached in --cache-dir when given,
+else in a temporary folder removed at the end."""
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 
 from ..errors import InputError
 from ..recipes.hf import HFOptions
@@ -16,7 +20,11 @@ def add_evaluate_parser(sub) -> None:
     p = sub.add_parser("evaluate", help="the loss of a Hugging Face model (--model DIR) over a whole "
                                         "data set (--dataset PATH)", description=__doc__)
     p.add_argument("--model", required=True, metavar="DIR",
-                   help="a local Hugging Face model folder (a run's output_dir/final)")
+                   help="a local Hugging Face model folder, or a PEFT adapter folder (a run's "
+                        "output_dir/final)")
+    p.add_argument("--base-model", "--base_model", dest="base_model", metavar="DIR",
+                   help="the base model of an adapter folder given as --model or --ref-model "
+                        "(default: the one its adapter_config.json names)")
     p.add_argument("--dataset", required=True, metavar="PATH", help="the data, as hputrain train takes it")
     p.add_argument("--block-size", "--block_size", dest="block_size", type=int,
                    help="tokens per block (default: as hputrain train chooses)")
@@ -46,7 +54,9 @@ def add_evaluate_parser(sub) -> None:
                    type=int, help="preference pairs: as hputrain train takes it")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=8,
                    help="blocks or rows per forward (default: 8)")
-    p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or auto")
+    p.add_argument("--precision", help="fp32 (default), bf16 or auto; decides over --bf16")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 mixed precision, as hputrain train takes it (--no-bf16: fp32)")
     p.add_argument("--cpu", action="store_true", help="force the CPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_evaluate)
@@ -60,13 +70,29 @@ def cmd_evaluate(args) -> int:
                         assistant_only_loss=args.assistant_only_loss,
                         completion_only_loss=args.completion_only_loss,
                         chat_template=args.chat_template, cache_dir=args.cache_dir,
-                        ref_model=args.ref_model, beta=args.beta, loss_type=args.loss_type,
+                        ref_model=args.ref_model, base_model=args.base_model,
+                        beta=args.beta, loss_type=args.loss_type,
                         label_smoothing=args.label_smoothing,
                         max_prompt_length=args.max_prompt_length)  # a bad value: one line
-    result = evaluate(options, batch_size=args.batch_size, precision=args.precision)
+    # train's rule: --precision, when given, decides; else --bf16 / --no-bf16; else fp32
+    precision = args.precision or ("bf16-mixed" if args.bf16 else "fp32")
+    result = evaluate(options, batch_size=args.batch_size, precision=precision)
+    if result.get("examples_cut"):
+        print(cut_note(result), file=sys.stderr)
     if args.json:
         print(json.dumps(result))
         return 0
     for key, value in result.items():
         print(f"{key} {value:.6f}" if isinstance(value, float) else f"{key} {value}")
     return 0
+
+
+def cut_note(result: dict) -> str:
+    """What cutting examples to the block size left out of the loss, in a line."""
+    if "tokens_cut" not in result:  # preference pairs
+        return (f"hputrain: {result['examples_cut']} of {result['eval_pairs']} pairs were longer "
+                f"than --block-size {result['block_size']} and cut to it")
+    counted = result["eval_tokens"] + result["tokens_cut"]
+    return (f"hputrain: {result['examples_cut']} examples were longer than --block-size "
+            f"{result['block_size']} and cut to it: {result['tokens_cut']:,} of {counted:,} counted "
+            "tokens left out of the loss (a larger --block-size keeps them)")

@@ -1,6 +1,7 @@
 """`hputrain generate`: text from a trained checkpoint of the built-in GPT through graph-captured
 inference (execution/inference.py), or, with `--model DIR --chat QUESTION`, a Hugging Face model's
-answer through its chat template and transformers' own generate (recipes/hf_chat.py)."""
+answer through its chat template and transformers' own generate (recipes/hf_chat.py); the model
+folder may be a LoRA run's adapter folder (on its base, or --base-model DIR)."""
 from __future__ import annotations
 
 import json
@@ -62,6 +63,8 @@ def _check_source(args) -> None:
     if args.chat is not None and not args.model:
         raise InputError("--chat needs --model DIR (a Hugging Face model folder with a chat "
                          "template); a --checkpoint takes --prompt")
+    if args.base_model and not args.model:
+        raise InputError("--base-model is the base of an adapter folder given as --model DIR")
     if args.model and args.no_graphs:
         raise InputError("--no-graphs is for --checkpoint: --chat always runs transformers' "
                          "generate eagerly")
@@ -71,12 +74,13 @@ def _chat(args, accelerator) -> int:
     from ..recipes.hf import model_folder
     from ..recipes.hf_chat import chat_answer
 
-    folder = model_folder(args.model)
+    folder = model_folder(args.model, base_model=args.base_model)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     start = time.perf_counter()
     answer = chat_answer(folder, args.chat, accelerator, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k)
+                         temperature=args.temperature, top_k=args.top_k,
+                         base_model=args.base_model)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"text": answer.text, "tokens": answer.tokens,
@@ -116,8 +120,11 @@ def add_generate_parser(sub) -> None:
                                         "hputrain train")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; --checkpoint)")
     p.add_argument("--model", metavar="DIR",
-                   help="a local Hugging Face model folder whose tokenizer has a chat template (a "
-                        "run's output_dir/final)")
+                   help="a local Hugging Face model folder whose tokenizer has a chat template, or "
+                        "a PEFT adapter folder (a run's output_dir/final)")
+    p.add_argument("--base-model", "--base_model", dest="base_model", metavar="DIR",
+                   help="the base model of an adapter folder given as --model (default: the one "
+                        "its adapter_config.json names)")
     p.add_argument("--chat", metavar="QUESTION",
                    help="with --model: the user's message, rendered through the chat template with "
                         "the generation prompt; prints only the answer, which stops at the end of "

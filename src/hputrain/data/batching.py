@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -317,7 +318,7 @@ def default_collator_for(model: torch.nn.Module, settings: DataSettings):
     config.pad_token_id (0 when it has none) up to its maximum length."""
     if settings.length_buckets is None and settings.pad_to_multiple_of is None:
         return default_collate
-    config = getattr(model, "config", None)
+    config = getattr(base_model(model), "config", None)
     pad_token_id = getattr(config, "pad_token_id", None)
     max_length = next((getattr(config, name) for name in MAX_LENGTH_NAMES
                        if isinstance(getattr(config, name, None), int)), None)
@@ -375,15 +376,27 @@ LABEL_NAMES = frozenset({"labels", "label", "label_ids", "shift_labels"})
 model's forward names none of them."""
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose forward does the work, for every question asked of a model's signature or
+    class (its input names, its loss function, whether it takes num_items_in_batch): under PEFT's
+    adapters the base model, since PEFT's wrapper names only some inputs and passes the rest
+    (position_ids, the loss keywords) on through **kwargs; any other model itself. Read without
+    importing peft: a PEFT model means peft is imported already."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
 def model_input_names(model: torch.nn.Module) -> frozenset[str] | None:
-    """The batch keys `model.forward` takes by name (None when it names nothing and takes
-    **kwargs). Other keys, apart from LABEL_NAMES, such as a text column of a Hugging Face dataset,
-    are left out of batches (the Hugging Face Trainer's remove_unused_columns), even for a
-    forward that also takes **kwargs: transformers' models take loss and attention options there,
-    not data."""
+    """The batch keys the model's forward takes by name (None when it names nothing and takes
+    **kwargs); under PEFT's adapters, the base model's (see `base_model`). Other keys, apart from
+    LABEL_NAMES, such as a text column of a Hugging Face dataset, are left out of batches (the
+    Hugging Face Trainer's remove_unused_columns), even for a forward that also takes **kwargs:
+    transformers' models take loss and attention options there, not data."""
     import inspect
 
-    params = inspect.signature(model.forward).parameters.values()
+    params = inspect.signature(base_model(model).forward).parameters.values()
     named = frozenset(p.name for p in params
                       if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
     if not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

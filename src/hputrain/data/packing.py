@@ -46,6 +46,8 @@ class PackingStats:
     """Blocks (or rows) made."""
     truncated: int = 0
     """Examples longer than a block, cut to its length."""
+    labels_cut: int = 0
+    """Learned tokens (labels other than -100) of the cut examples that the cut left out."""
     nothing_to_learn: int = 0
     """Examples left out because the cut removed every learned token."""
     tokens: int = 0
@@ -69,6 +71,7 @@ def truncate(examples: list[dict], max_length: int) -> tuple[list[dict], Packing
     for example in examples:
         if len(example["input_ids"]) > max_length:
             stats.truncated += 1
+            stats.labels_cut += sum(label != IGNORE_INDEX for label in example["labels"][max_length:])
             example = {"input_ids": example["input_ids"][:max_length],
                        "labels": example["labels"][:max_length]}
         if all(label == IGNORE_INDEX for label in example["labels"][1:]):

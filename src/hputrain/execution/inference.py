@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.batching import PAD_VALUES
+from ..data.batching import PAD_VALUES, base_model
 from ..errors import InputError
 from ..files import NotARegularFile, read_regular_file
 
@@ -103,8 +103,9 @@ class GraphedModel(torch.nn.Module):
 
 
 def _forward_parameters(model: torch.nn.Module) -> set[str]:
+    """The names the model's forward takes (under PEFT's adapters, its base model's)."""
     try:
-        return set(inspect.signature(model.forward).parameters)
+        return set(inspect.signature(base_model(model).forward).parameters)
     except (TypeError, ValueError):
         return set()
 

@@ -14,8 +14,10 @@ import warnings
 from pathlib import Path
 
 from ..config.fields import ConfigError, check_choice
-from ..config.preference import PreferenceOptions, check_preference
+from ..config.preference import DPO_DEFAULTS, PreferenceOptions, check_preference
 from ..errors import InputError, did_you_mean
+from .hf_adapters import (adapter_base, continued_rank, is_adapter_folder, load_adapter,
+                          tokenizer_folder, tokenizer_source)
 
 METHOD_NAMES = ("auto", "lm", "sft", "dpo")
 """--method's values."""
@@ -28,7 +30,11 @@ class HFOptions(PreferenceOptions):
     """The Hugging Face recipe's own settings, beside TrainingArguments (and DPO's, inherited)."""
 
     model: str | None = None
-    """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune."""
+    """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune, or a
+    PEFT adapter folder (a LoRA run's final/), whose adapters training continues on."""
+    base_model: str | None = None
+    """The base model folder of an adapter folder given as --model or --ref-model; unset means
+    the one its adapter_config.json names (base_model_name_or_path)."""
     dataset: str | None = None
     """Local data: a UTF-8 file, a folder of them, JSON Lines or a save_to_disk folder with a text
     column (causal LM) or chat / instruction columns (SFT: messages, conversations, prompt + completion)."""
@@ -36,7 +42,7 @@ class HFOptions(PreferenceOptions):
     """What to train: auto (from the data's columns), lm (causal LM on text), sft (chat and
     instruction rows) or dpo (preference pairs: prompt, chosen, rejected)."""
     ref_model: str | None = None
-    """DPO: a local model folder as the reference; unset means the adapter-disabled base under
+    """DPO: a local model folder (or adapter folder) as the reference; unset means the adapter-disabled base under
     LoRA, else a frozen copy of the starting weights."""
     from_scratch: bool = False
     """Start from random weights of the folder's architecture instead of its trained weights."""
@@ -107,7 +113,21 @@ def defaults(options: HFOptions) -> dict:
         "save_steps": 500,
         "save_total_limit": 2,
         "precision": "auto",  # bf16 where the device runs it natively, else fp32
-    }
+    } | method_defaults(options)
+
+
+def method_defaults(options: HFOptions) -> dict:
+    """A method's own defaults over those: DPO's are TRL's DPOConfig's (config/preference.py).
+    Data that cannot be read yet gets none: run() says what is wrong with it."""
+    from ..data.preference import is_preference
+    from .hf_data import columns_of
+
+    try:
+        dpo = options.method == "dpo" or (options.method == "auto"
+                                           and is_preference(columns_of(options.dataset) or []))
+    except (InputError, OSError):
+        return {}
+    return dict(DPO_DEFAULTS) if dpo else {}
 
 
 def run(options: HFOptions, training_args, accelerator_config) -> int:
@@ -116,15 +136,20 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     from ..training.trainer import Trainer
     from .finish import report_outputs, save_final, write_recipe
 
-    folder = model_folder(options.model)
+    folder = model_folder(options.model, base_model=options.base_model)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
-    model, tokenizer = load_model(folder, options.from_scratch)
+    if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
+        options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+    model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
+                                  trainable=True)
     dpo = data_kind(options) == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
-    ref_folder = model_folder(options.ref_model) if dpo and options.ref_model else None
-    ref_model = load_model(ref_folder)[0] if ref_folder is not None else None
+    ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
+                  if dpo and options.ref_model else None)
+    ref_model = (load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
+                            merge=True)[0] if ref_folder is not None else None)
     if dpo and ref_model is None and not options.lora_r:  # the starting weights, frozen
         ref_model = copy.deepcopy(model)
-    if options.lora_r:
+    if options.lora_r and not is_adapter_folder(folder):
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     if dpo:
@@ -132,7 +157,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
         return run_dpo(options, training_args, accelerator_config, folder, model, tokenizer,
                        block_size, ref_model, ref_folder)
-    data = load_data(options, tokenizer, block_size, folder,
+    data = load_data(options, tokenizer, block_size, tokenizer_source(folder, options.base_model),
                      options.cache_dir or Path(training_args.output_dir) / ".cache")
     if data.method != "text" and options.packing and training_args.context_parallel_size > 1:
         raise InputError("packed SFT blocks under context parallelism are not supported (each rank "
@@ -151,8 +176,10 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     if status is not None:
         return status
     if final is not None and options.lora_r:
-        print(f'load it with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{folder}"), '
-              f'"{final}")')
+        base = model.get_base_model().name_or_path  # the absolute path adapter_config.json holds
+        print(f'load it with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), '
+              f'"{final}"), or merge it into one model folder with hputrain export --merge {final} '
+              '--output DIR')
     elif final is not None:
         print(f'load it with AutoModelForCausalLM.from_pretrained("{final}")')
     return 0
@@ -212,7 +239,10 @@ def step_model(options: HFOptions):
     --lora-r asks, r 16 when the plan tries it; blocks of --block-size tokens)."""
     import torch
 
-    folder = model_folder(options.model)
+    folder = model_folder(options.model, base_model=options.base_model)
+    if is_adapter_folder(folder):  # the base model's architecture, with LoRA of the folder's rank
+        options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+        folder = adapter_base(folder, options.base_model)
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
 
@@ -236,24 +266,49 @@ def step_model(options: HFOptions):
     return {"build": build, "batch": batch, "lora": bool(options.lora_r), "lora_possible": True,
             "name": f"{config.model_type} from {folder}, blocks of {block} tokens"}
 
-def model_folder(name: str) -> Path:
-    """`name` as a model folder on this machine, or one line saying why it is not one."""
+def model_folder(name: str, *, flag: str = "--model", base_model: str | None = None) -> Path:
+    """`name` as a model folder on this machine, or a PEFT adapter folder whose base model is one
+    (`base_model`, --base-model, else the one its adapter_config.json names); else one line
+    saying why it is neither."""
     folder = Path(name).expanduser()
     if not folder.is_dir():
         if folder.exists():
-            raise InputError(f"--model {name} is a file: give the folder holding config.json, the "
+            raise InputError(f"{flag} {name} is a file: give the folder holding config.json, the "
                              "weights and the tokenizer files")
-        raise InputError(f"--model {name} is not a folder on this machine: hputrain train works "
+        raise InputError(f"{flag} {name} is not a folder on this machine: hputrain train works "
                          f"offline; download it first (huggingface-cli download {name} --local-dir DIR)")
-    if not (folder / "config.json").is_file():
-        raise InputError(f"--model {name} has no config.json: give a folder written by save_pretrained "
-                         "(config.json, weights, tokenizer files)")
+    if is_adapter_folder(folder):
+        adapter_base(folder, base_model, flag)  # one line now when the base is not found
+    elif not (folder / "config.json").is_file():
+        raise InputError(f"{flag} {name} has no config.json: give a folder written by save_pretrained "
+                         "(config.json, weights, tokenizer files), or a PEFT adapter folder "
+                         "(adapter_config.json)")
     return folder
 
 
-def load_model(folder: Path, from_scratch: bool = False):
+def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | None = None,
+               trainable: bool = False, merge: bool = False, flag: str = "--model"):
     """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
-    precision plugin casts per op, and the optimizer keeps full-precision weights."""
+    precision plugin casts per op, and the optimizer keeps full-precision weights.
+
+    An adapter folder (hf_adapters.py) is its base model with its adapters loaded by PEFT:
+    trainable ones with `trainable` (training continues on them), merged into the weights with
+    `merge` (a frozen reference needs no adapters), else frozen; the tokenizer is the folder's
+    own when it has one."""
+    if not is_adapter_folder(folder):
+        return _load_folder(folder, from_scratch, flag)
+    base = adapter_base(folder, base_model, flag)
+    model, tokenizer = _load_folder(base, False, flag)
+    if tokenizer_folder(folder, base) == folder:
+        tokenizer = _load_tokenizer(folder, flag)
+    model = load_adapter(model, folder, trainable=trainable, flag=flag)
+    return (model.merge_and_unload() if merge else model), tokenizer
+
+
+def _load_folder(folder: Path, from_scratch: bool, flag: str):
+    """(model, tokenizer) of a model folder (see load_model). Loaded from its absolute path, the
+    model's name_or_path, which PEFT writes into adapter_config.json as the base, holds from any
+    working directory."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
     import torch
     import transformers
@@ -262,22 +317,29 @@ def load_model(folder: Path, from_scratch: bool = False):
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"--model {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
-                         "the tokenizer into the folder (tokenizer.save_pretrained)") from None
+        raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    tokenizer = _load_tokenizer(folder, flag)
     auto = transformers.AutoModelForCausalLM
     try:
         if from_scratch:
             model = auto.from_config(config, dtype=torch.float32)
         else:
-            model = auto.from_pretrained(folder, config=config, dtype=torch.float32, local_files_only=True)
+            model = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
+                                         local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"--model {folder} cannot be loaded as a causal language model: "
+        raise InputError(f"{flag} {folder} cannot be loaded as a causal language model: "
                          f"{_first_line(exc)}") from None
     return model, tokenizer
+
+
+def _load_tokenizer(folder: Path, flag: str):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{flag} {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
+                         "the tokenizer into the folder (tokenizer.save_pretrained)") from None
 
 
 def add_lora(model, options: HFOptions):

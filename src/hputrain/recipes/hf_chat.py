@@ -1,6 +1,6 @@
 """`hputrain generate --model DIR --chat QUESTION`: one answer from a local Hugging Face model
-folder (a download, or a run's output_dir/final), through its tokenizer's chat template and
-transformers' own `generate`.
+folder (a download, or a run's output_dir/final, a LoRA run's adapter folder included), through
+its tokenizer's chat template and transformers' own `generate`.
 
 The question is rendered as a one-message conversation with the generation prompt (the header
 the template writes before an assistant's turn), so the model continues as the assistant it was
@@ -44,14 +44,16 @@ def stop_token_ids(tokenizer, model_eos) -> list[int]:
 
 
 def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int,
-                temperature: float = 0.0, top_k: int | None = None) -> ChatAnswer:
+                temperature: float = 0.0, top_k: int | None = None,
+                base_model: str | None = None) -> ChatAnswer:
     """The model's answer to `question` (see the module docstring): greedy with temperature 0,
-    else sampled (seed the generator first)."""
+    else sampled (seed the generator first). `folder` may be an adapter folder (on its base
+    model, or `base_model`): PEFT's model generates with the adapters."""
     import torch
 
     from .hf import load_model
 
-    model, tokenizer = load_model(folder)
+    model, tokenizer = load_model(folder, base_model=base_model)
     if not isinstance(getattr(tokenizer, "chat_template", None), str):
         raise InputError(f"--model {folder}: its tokenizer has no chat template, so --chat cannot "
                          "render the question: give a model folder whose tokenizer has one "

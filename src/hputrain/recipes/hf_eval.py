@@ -1,13 +1,15 @@
 """`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face causal language
-model (a downloaded one, or a run's output_dir/final) over a whole data set.
+model (a downloaded one, or a run's output_dir/final: a model folder, or the adapter folder of a
+LoRA run, loaded onto its base) over a whole data set.
 
 The data is read as `hputrain train` reads it (hf.load_data: text, or SFT rows by their columns),
 every example or block of it, none held out, and evaluated by the Trainer's own evaluation loop
 (training/evaluation.py), so the numbers are those a training run reports: `eval_loss` is the
 summed cross-entropy over every counted token (labels other than -100, after the shift) divided
-by their number, `eval_perplexity` its exponential, `eval_tokens` that number. Packed blocks are
-evaluated with attention kept inside each example (training/packed.py), so packed and unpacked
-data give the same loss.
+by their number, `eval_perplexity` its exponential, `eval_tokens` that number; on chat and
+instruction rows, `examples_cut` examples were longer than the block size and cut to it, which
+left `tokens_cut` counted tokens out of the loss. Packed blocks are evaluated with attention
+kept inside each example (training/packed.py), so packed and unpacked data give the same loss.
 """
 from __future__ import annotations
 
@@ -23,31 +25,37 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
 
     from ..training.trainer import Trainer
     from .hf import choose_block_size, data_kind, load_data, load_model, model_folder
+    from .hf_adapters import tokenizer_source
 
     if data_kind(options) == "dpo":
         return evaluate_pairs(options, batch_size=batch_size, precision=precision)
-    folder = model_folder(options.model)
-    model, tokenizer = load_model(folder)
+    folder = model_folder(options.model, base_model=options.base_model)
+    model, tokenizer = load_model(folder, base_model=options.base_model)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     options.validation_split_percentage = 0  # the whole data set is evaluated
     with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
         # The token cache goes where --cache-dir says, else nowhere lasting: evaluate writes no run.
-        data = load_data(options, tokenizer, block_size, folder, options.cache_dir or scratch)
+        data = load_data(options, tokenizer, block_size, tokenizer_source(folder, options.base_model),
+                         options.cache_dir or scratch)
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
                                  precision=precision, report_to="none", disable_tqdm=True)
         trainer = Trainer(model, args, data_collator=getattr(data, "collator", None))
         metrics = trainer.evaluate(data.train)
         tokens = sum(trainer.count_tokens({"labels": torch.as_tensor(row["labels"])[None]})
                      for row in data.train)
-    return {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
-            "eval_tokens": tokens, "method": data.method, "block_size": block_size,
-            "packing": bool(options.packing) or data.method == "text"}
+    result = {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
+              "eval_tokens": tokens, "method": data.method, "block_size": block_size,
+              "packing": bool(options.packing) or data.method == "text"}
+    if data.method != "text":  # examples longer than a block are cut to it (text is one stream)
+        result |= {"examples_cut": data.packed.truncated, "tokens_cut": data.packed.labels_cut}
+    return result
 
 
 def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     """DPO's numbers of the model `options.model` against the reference `options.ref_model` on
     every pair of `options.dataset`: eval_loss (the mean over pairs), eval_rewards/* and
-    eval_logps/* with TRL's names (training/dpo.py), and eval_pairs."""
+    eval_logps/* with TRL's names (training/dpo.py), eval_pairs, and the pairs cut to the block
+    size (examples_cut) or left out (their prompt fills it)."""
     from ..config.preference import DPOConfig, preference_values
     from ..errors import InputError
     from ..training.dpo import DPOTrainer
@@ -58,8 +66,10 @@ def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> 
     if not options.ref_model:
         raise InputError(f"--dataset {options.dataset} holds preference pairs: evaluating them "
                          "needs --ref-model DIR, the reference the rewards are measured against")
-    model, tokenizer = load_model(model_folder(options.model))
-    reference = load_model(model_folder(options.ref_model))[0]
+    base = options.base_model
+    model, tokenizer = load_model(model_folder(options.model, base_model=base), base_model=base)
+    reference = load_model(model_folder(options.ref_model, flag="--ref-model", base_model=base),
+                           base_model=base, flag="--ref-model", merge=True)[0]
     use_chat_template(tokenizer, options.chat_template)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     options.validation_split_percentage = 0  # every pair is evaluated
@@ -71,4 +81,4 @@ def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> 
         trainer = DPOTrainer(model, args, ref_model=reference, processing_class=tokenizer)
         metrics = trainer.evaluate(pairs)
     return {**metrics, "eval_pairs": len(pairs), "left_out": stats.prompt_fills_block,
-            "method": "dpo", "block_size": block_size}
+            "examples_cut": stats.truncated, "method": "dpo", "block_size": block_size}

@@ -97,7 +97,7 @@ def load_sft(path: str, fmt: str, tokenizer, block_size: int, options, *, cache_
     if not blocks:
         raise InputError(f"--dataset {path}: no example is left to train on (every one has nothing "
                          "to learn within --block-size tokens)")
-    for name in ("examples", "blocks", "truncated", "nothing_to_learn", "tokens", "padding"):
+    for name in ("examples", "blocks", "truncated", "labels_cut", "nothing_to_learn", "tokens", "padding"):
         setattr(stats, name, getattr(stats, name) + getattr(more[1], name))
     return SFTData(fmt, blocks, more[0] or None, collator, rows, stats, cache_file, from_cache,
                    own_validation=own)

@@ -20,8 +20,12 @@ moment of the peak. Its categories become the plan's:
 
 ddp is traced as one process (each rank holds the whole model) plus its gradient buckets, a
 flat copy of the trainable gradients that DistributedDataParallel allocates in C++ where no
-tracker sees it. The same step traced on real tensors is what accuracy is measured against
-(bench/plan_accuracy.py, docs/benchmarks.md).
+tracker sees it. Under fsdp_cpu_offload the peak is what stays on the device (the shards, their
+gradients and AdamW's moments live in host memory); with a backend that reduces in a copy (gloo,
+the cpu target's) the copy is counted (plan_tracking.py says why each).
+
+Accuracy is measured against the same step of a real run of hputrain's Trainer, counted by the
+same trackers on real tensors (StepPeak; bench/plan_accuracy.py, docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -36,19 +40,15 @@ import torch
 
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.sections import Sections
-from ..callbacks import Callback
 from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..distributed.strategies import Strategy
 from ..errors import InputError
 from ..execution.precision import select_precision
 from ..training.evaluation import loss_of
 from ..training.optim import create_optimizer
+from .plan_tracking import (CATEGORIES, COPIES_COLLECTIVE_INPUT,  # noqa: F401 (the API)
+                            StepPeak, Trace, breakdown, tracker)
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
-_KINDS = {"PARAM": "parameters", "BUFFER": "parameters", "SHARDED_PARAM": "parameters",
-          "UNSHARDED_PARAM": "parameters", "GRAD": "gradients", "SHARDED_GRAD": "gradients",
-          "UNSHARDED_GRAD": "gradients", "OPT": "optimizer", "ACT": "activations"}
-"""MemTracker's reference types, by the plan's category (the rest are temporary)."""
 
 
 @dataclass
@@ -63,12 +63,16 @@ class StepModel:
     name: str
     lora: bool = False
     lora_possible: bool = False
-
-
-@dataclass
-class Trace:
-    peak_bytes: int
-    breakdown: dict[str, int]
+    reference: Callable[[bool], torch.nn.Module | None] | None = None
+    """A frozen model the step calls beside the trained one (DPO's reference), built as `build`
+    is, given `lora`; None (or returning None): none (the adapter-disabled policy, or
+    precomputed log-probs)."""
+    objective: Callable | None = None
+    """The step's loss as the run computes it: `objective(reference, model, sharded)` returns a
+    callable (module, batch) -> loss (plan_dpo.py); None: the model's own loss (causal LM)."""
+    preference: object | None = None
+    """DPO's settings (beta, loss_type, label_smoothing, precompute_ref_log_probs) when the step
+    is a DPO step (plan_dpo.py), else None."""
 
 
 @dataclass
@@ -93,122 +97,239 @@ class Plan:
 def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
          time_budget: float = 90.0) -> Plan:
     """The peak per rank of one step of the run `args` describes, and, when it does not fit, the
-    cheapest changes that make it fit (each traced; tried until `time_budget` seconds)."""
+    cheapest changes that make it fit (each traced; none started that would not end within
+    `time_budget` seconds, judging by the plan's own trace)."""
+    from ..accelerators.registry import target_dist_backend, target_is_host
+
     start = time.perf_counter()
     ranks = args.devices * args.num_nodes
-    traced = trace_step(step, args, accelerator)
+    backend = target_dist_backend(target)
+
+    def trace(step_now: StepModel, args_now) -> Trace:
+        return trace_step(step_now, args_now, accelerator, backend=backend)
+
+    traced = trace(step, args)
     result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks)
     if not result.fits:
-        result.suggestions = _suggestions(step, args, accelerator, target_bytes,
-                                          start + time_budget)
+        changes = list(_changes(step, args, offload=not target_is_host(target)))
+        # a trace is not started unless one as long as the plan's own would end in the budget
+        deadline = start + time_budget - (time.perf_counter() - start)
+        result.suggestions = _suggestions(changes, step, args, trace, target_bytes, deadline)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def trace_step(step: StepModel, args, accelerator, fake: bool = True) -> Trace:
-    """One training step of `args` traced (on fake tensors, or real ones to measure)."""
+def trace_step(step: StepModel, args, accelerator, fake: bool = True,
+               backend: str | None = None) -> Trace:
+    """One training step of `args` traced (on fake tensors, or real ones to measure); `backend`
+    is the communication backend the planned run would use (what its collectives copy)."""
     ranks = args.devices * args.num_nodes
     sharded = args.strategy == "fsdp" and ranks > 1
     torch.manual_seed(args.seed)
     with torch.device("meta") if fake else contextlib.nullcontext():
         model = step.build(step.lora)  # on the meta device: shapes only, nothing read
+        reference = _frozen(step.reference(step.lora) if step.reference else None, args,
+                            accelerator)
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with _fake_group(ranks) if sharded else contextlib.nullcontext() as group, mode:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
-            model.to_empty(device="cpu")
-        settings = Sections.of(args)
-        precision = select_precision(settings.precision, AcceleratorConfig(), accelerator)
-        model = precision.convert_module(model)
-        strategy = None
-        if sharded:
-            from ..distributed.fsdp import FSDP
-
-            strategy = FSDP(group, settings.parallelism, precision)
-            strategy.device = torch.device("cpu")
-        apply_activation_checkpointing(model, settings.activation_checkpointing)
-        if strategy is not None:
-            model = strategy.wrap(model)
-        optimizer = create_optimizer(model, settings.optimizer, AcceleratorConfig(), accelerator)
-        _create_states(optimizer)
+            for module in filter(None, (model, reference)):
+                module.to_empty(device="cpu")
+        model, optimizer, precision, clip, strategy = _prepare(model, args, group, accelerator)
+        if reference is not None and not fake:
+            reference = strategy.place_frozen(reference, torch.device("cpu"))
+        elif reference is not None and sharded:  # as place_frozen does; fake tensors cannot
+            strategy._shard(reference)  # be moved (.to), and are where the trace runs already
+        loss_fn = (step.objective(reference, model, sharded) if step.objective
+                   else lambda module, batch: loss_of(_call(module, batch)))
+        _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
-        tracker = _tracker(model, optimizer, sharded, batch)
-        with tracker:
+        inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
+        backend = args.ddp_backend or backend
+        counting = tracker(model, optimizer, sharded, inputs, backend=backend,
+                           offloaded=args.fsdp_cpu_offload, frozen=reference)
+        replicated = args.strategy in ("ddp", "fast_ddp") and ranks > 1
+        copies = _BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
+        with counting:
             with precision.forward_context():
-                loss = loss_of(_call(model, batch))
+                loss = loss_fn(model, batch)
+            if replicated and backend in COPIES_COLLECTIVE_INPUT:
+                copies.install()
             loss.backward()
-            if args.max_grad_norm > 0:  # as the Trainer clips: the norms' temporaries
-                params = [p for p in model.parameters() if p.requires_grad]
-                (strategy or Strategy()).clip_grad_norm(accelerator, params, args.max_grad_norm)
+            copies.end_of_backward()
+            clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        traced = _breakdown(tracker)
-    if args.strategy in ("ddp", "fast_ddp") and ranks > 1:  # the flat bucket copy of the gradients
-        buckets = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        traced = breakdown(counting)
+    if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         traced.breakdown["temporary"] += buckets
         traced.peak_bytes += buckets
     return traced
 
 
-def _suggestions(step: StepModel, args, accelerator, target_bytes: int, deadline: float) -> list[dict]:
-    """Single changes first, cheapest first; if none fits, the same changes one on top of the
-    other. Each traced; stops at the deadline."""
-    found, cumulative = [], args
-    for label, changed, flags in _changes(step, args):
+class _BucketCopies:
+    """ddp on a backend that reduces in a copy (gloo): each gradient bucket's copy, from the
+    moment the bucket is full and its all-reduce starts, to the end of backward where DDP waits
+    for them all. Buckets fill in the order gradients become ready (the order DDP rebuilds them
+    in after its first step), the first up to torch's first-bucket size, the others up to
+    ddp_bucket_cap_mb; fast_ddp reduces one flat buffer after backward."""
+
+    def __init__(self, counting, model, cap_mb: int | None, strategy: str) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
+
+        self.counting, self.model, self.handles = counting, model, []
+        self.cap = int((cap_mb or _DEFAULT_BUCKET_CAP_MB) * 2**20)
+        self.limit = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else self.cap
+        if strategy == "fast_ddp":  # one buffer, reduced when backward is over
+            self.cap = self.limit = 2**62
+        self.filling = self.held = 0
+
+    def install(self) -> None:
+        for param in self.model.parameters():
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._ready))
+
+    def _ready(self, param) -> None:
+        self.filling += param.numel() * param.element_size()
+        if self.filling >= self.limit:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        self.counting.add_temporary(self.filling)
+        self.held, self.filling, self.limit = self.held + self.filling, 0, self.cap
+
+    def end_of_backward(self) -> None:
+        if not self.handles:
+            return
+        if self.filling:
+            self._reduce()
+        self.counting.add_temporary(-self.held)
+        for handle in self.handles:
+            handle.remove()
+
+
+def _prepare(model, args, group, accelerator):
+    """(model, optimizer, precision, clip, strategy) as the Trainer prepares them: the precision plugin,
+    activation checkpointing, fsdp's sharding (on `group`, when there is one), AdamW; `clip()`
+    clips the gradients as the Trainer does (a no-op without max_grad_norm)."""
+    settings = Sections.of(args)
+    precision = select_precision(settings.precision, AcceleratorConfig(), accelerator)
+    model = precision.convert_module(model)
+    strategy = Strategy()
+    if group is not None:
+        from ..distributed.fsdp import FSDP
+
+        strategy = FSDP(group, settings.parallelism, precision)
+        strategy.device = torch.device("cpu")
+    apply_activation_checkpointing(model, settings.activation_checkpointing)
+    if group is not None:
+        model = strategy.wrap(model)
+    optimizer = create_optimizer(model, settings.optimizer, AcceleratorConfig(), accelerator)
+
+    def clip() -> None:  # the norms' temporaries
+        if args.max_grad_norm > 0:
+            params = [p for p in model.parameters() if p.requires_grad]
+            strategy.clip_grad_norm(accelerator, params, args.max_grad_norm)
+
+    return model, optimizer, precision, clip, strategy
+
+
+def _frozen(reference, args, accelerator):
+    """A frozen model as DPOTrainer prepares its reference: in the run's precision (stored in
+    bf16 under bf16, where no float32 master is needed), no gradient, eval mode. Done while its
+    weights are meta tensors: a fake tensor's dtype cannot be changed in place."""
+    if reference is None:
+        return None
+    precision = select_precision(Sections.of(args).precision, AcceleratorConfig(), accelerator)
+    reference = precision.convert_module(reference).requires_grad_(False).eval()
+    if precision.compute_dtype == torch.bfloat16:
+        reference = reference.to(torch.bfloat16)
+    return reference
+
+
+def _warm_up(optimizer, clip) -> None:
+    """The step after the first, as every later step is: the optimizer's states exist (one step
+    on zero gradients creates them, cheaper than a first forward and backward), and the clipping
+    and optimizer operations on sharded (DTensor) gradients have had their sharding propagated.
+    DTensor caches that propagation after an operation's first call; the first call computes it
+    on placeholder tensors in the fake mode that is active, which a tracker around it would
+    count as memory (20 MiB of phantom activations in a 10 MiB model's first plan)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    clip()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _suggestions(changes, step: StepModel, args, trace, target_bytes: int,
+                 deadline: float) -> list[dict]:
+    """Each change alone, cheapest first; if none fits, the changes one on top of the other until
+    they fit. Each traced (`trace(step, args)`); none started after `deadline`. The fitting ones
+    come first, in order of cost: the first is the cheapest change that fits."""
+    found = []
+    for label, flags in changes:
         if time.perf_counter() > deadline:
             break
-        peak = trace_step(changed[0], changed[1], accelerator).peak_bytes
-        found.append({"change": label, "flags": flags, "peak_bytes": peak,
-                      "fits": peak <= target_bytes})
-    if any(s["fits"] for s in found):
-        return sorted(found, key=lambda s: (not s["fits"], s["peak_bytes"]))
-    step_now, labels, all_flags = step, [], []
-    for label, changed, flags in _changes(step, args):
-        if time.perf_counter() > deadline:
-            break
-        step_now, cumulative = _apply(step_now, cumulative, flags)
-        labels.append(label)
-        all_flags += flags
-        peak = trace_step(step_now, cumulative, accelerator).peak_bytes
-        if len(labels) > 1:
+        traced = trace(*_apply(step, args, flags))
+        if traced.host_bytes:  # offload needs the host to hold it, per device, all steps long
+            label += f" ({traced.host_bytes / 2**30:,.1f} GiB of host memory a device)"
+        found.append({"change": label, "flags": flags, "peak_bytes": traced.peak_bytes,
+                      "fits": traced.peak_bytes <= target_bytes})
+    if not any(s["fits"] for s in found):
+        step_now, args_now, labels, all_flags = step, args, [], []
+        for label, flags in changes:
+            if time.perf_counter() > deadline:
+                break
+            step_now, args_now = _apply(step_now, args_now, flags)
+            labels.append(label)
+            all_flags += flags
+            if len(labels) == 1:
+                continue  # traced alone above
+            peak = trace(step_now, args_now).peak_bytes
             found.append({"change": " + ".join(labels), "flags": list(all_flags),
                           "peak_bytes": peak, "fits": peak <= target_bytes})
-        if peak <= target_bytes:
-            break
-    return sorted(found, key=lambda s: (not s["fits"], s["peak_bytes"]))
+            if peak <= target_bytes:
+                break
+    return sorted(found, key=lambda s: not s["fits"])  # stable: cost order within each
 
 
-def _changes(step: StepModel, args):
-    """(label, (step, args) changed, the flags that make the change), cheapest first: memory
-    saved for the least speed or quality lost."""
-    if not args.gradient_checkpointing:
-        flags = ["--gradient-checkpointing"]
-        yield "gradient checkpointing", _apply(step, args, flags), flags
-    if step.lora_possible and not step.lora:
-        flags = ["--lora-r", "16"]
-        yield "LoRA adapters (r 16) instead of every weight", _apply(step, args, flags), flags
+def _changes(step: StepModel, args, offload: bool):
+    """(label, flags) of each change that would lower the peak, cheapest first: the same
+    training on the same devices before more devices, and more devices before a different
+    training (LoRA). cpu offload only where the device has a host to offload to."""
     ranks = args.devices * args.num_nodes
     if args.strategy != "fsdp" and ranks > 1:
-        flags = ["--strategy", "fsdp"]
-        yield f"fsdp over the {ranks} devices", _apply(step, args, flags), flags
-    for more in (2, 4):
-        flags = ["--strategy", "fsdp", "--num-nodes", str(args.num_nodes * more)]
-        yield (f"fsdp over {ranks * more} devices ({args.num_nodes * more} nodes of {args.devices})",
-               _apply(step, args, flags), flags)
+        yield f"fsdp over the {ranks} devices", ["--strategy", "fsdp"]
+    if not args.gradient_checkpointing:
+        yield "gradient checkpointing", ["--gradient-checkpointing"]
     if args.per_device_train_batch_size > 1:
         smaller = max(1, args.per_device_train_batch_size // 2)
         accumulate = args.gradient_accumulation_steps * args.per_device_train_batch_size // smaller
-        flags = ["--per-device-train-batch-size", str(smaller), "--gradient-accumulation-steps",
-                 str(accumulate)]
         yield (f"micro-batch {smaller} with {accumulate} accumulation steps (the same global "
-               "batch)", _apply(step, args, flags), flags)
+               "batch)", ["--per-device-train-batch-size", str(smaller),
+                          "--gradient-accumulation-steps", str(accumulate)])
+    if offload and ranks > 1 and not args.fsdp_cpu_offload:
+        yield ("fsdp with the parameters, gradients and optimizer state in host memory",
+               ["--strategy", "fsdp", "--fsdp-cpu-offload"])
+    for more in (2, 4):
+        nodes = args.num_nodes * more
+        yield (f"fsdp over {ranks * more} devices ({nodes} nodes of {args.devices})",
+               ["--strategy", "fsdp", "--num-nodes", str(nodes)])
+    if step.lora_possible and not step.lora:
+        yield "LoRA adapters (r 16) instead of every weight", ["--lora-r", "16"]
 
 
 def _apply(step: StepModel, args, flags: list[str]):
     """(step, args) with the change `flags` describe."""
     values, lora = {}, step.lora
-    for name, value in zip(flags[::1], flags[1:] + [None]):
+    for name, value in zip(flags, flags[1:] + [None]):
         if name == "--gradient-checkpointing":
             values["gradient_checkpointing"] = True
+        elif name == "--fsdp-cpu-offload":
+            values["fsdp_cpu_offload"] = True
         elif name == "--lora-r":
             lora = True
         elif name == "--strategy":
@@ -249,99 +370,9 @@ def _fake_group(ranks: int):
         dist.destroy_process_group()
 
 
-def _create_states(optimizer) -> None:
-    """The optimizer's states, as they are from the second step on: one step on zero gradients
-    (cheaper than a first forward and backward)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _tracker(model, optimizer, sharded: bool, batch):
-    if sharded:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs(tuple(v for v in _values(batch) if isinstance(v, torch.Tensor)))
-        return tracker
-    tracker = _memory_tracker()
-    tracker.track_external(model, optimizer, *[v for v in _values(batch) if isinstance(v, torch.Tensor)])
-    return tracker
-
-
-def _memory_tracker():
-    """torch's MemTracker, taught that a frozen parameter (LoRA's base weights) gets no gradient:
-    as it ships, it hooks every parameter's gradient and fails on one that cannot have any."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class FrozenAwareMemTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            if install_grad_hooks:
-                for param in module.parameters():
-                    if param.requires_grad and param not in self._param_to_grad_hook_handles:
-                        self._param_to_grad_hook_handles[param] = (
-                            param.register_hook(self._count_gradient),
-                            param.register_post_accumulate_grad_hook(
-                                lambda p: self._count_gradient(p.grad)))
-            return memory
-
-        def _count_gradient(self, grad) -> None:
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-    return FrozenAwareMemTracker()
-
-
 def _values(batch):
     return batch.values() if isinstance(batch, dict) else batch
 
 
 def _call(model, batch):
     return model(**batch) if isinstance(batch, dict) else model(*batch)
-
-
-def _breakdown(tracker) -> Trace:
-    """The tracker's peak, by the plan's categories."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    breakdown = dict.fromkeys(CATEGORIES, 0)
-    total = 0
-    for device_stats in snapshot.values():
-        for kind, value in device_stats.items():
-            name = str(kind).rsplit(".", 1)[-1]
-            if name == "Total":
-                total += int(value)
-            else:
-                breakdown[_KINDS.get(name, "temporary")] += int(value)
-    return Trace(total, breakdown)
-
-
-class StepPeak(Callback):
-    """Measures, in a real run, the live tensor bytes of one training step (`step`, counted from
-    1; the third by default: the optimizer's states exist then, as the plan assumes, and ddp has
-    rebuilt its buckets, which it does in the second step's forward), with the
-    same trackers and categories as the plan; under DistributedDataParallel its gradient buckets
-    (allocated at wrapping, before any tracker) are added from DDP's own account of them.
-    What `hputrain plan` is checked against (bench/plan_accuracy.py)."""
-
-    def __init__(self, step: int = 3) -> None:
-        self.step, self.tracker, self.trace = step, None, None
-
-    def on_step_begin(self, trainer) -> None:
-        if trainer.global_step + 1 != self.step:
-            return
-        sharded = trainer.strategy.shards_state and trainer.group.distributed
-        self.tracker = _tracker(trainer.model, trainer.optimizer, sharded, ())
-        self.tracker.__enter__()
-
-    def on_step_end(self, trainer) -> None:
-        if self.tracker is None or trainer.global_step != self.step:
-            return
-        self.tracker.__exit__(None, None, None)
-        self.trace, self.tracker = _breakdown(self.tracker), None
-        if isinstance(trainer.wrapped, torch.nn.parallel.DistributedDataParallel):
-            sizes = str(trainer.wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
-            buckets = sum(int(size) for size in sizes.replace(" ", "").split(",") if size)
-            self.trace.breakdown["temporary"] += buckets
-            self.trace.peak_bytes += buckets

@@ -24,14 +24,18 @@ import inspect
 
 import torch
 
+from ..data.batching import base_model
+
 IGNORE_INDEX = -100
 
 
 class TokenCount:
     """Counts, for one model, the tokens its loss averages over, and knows whether the model takes
-    that count as `num_items_in_batch`."""
+    that count as `num_items_in_batch`. A model under PEFT's adapters is asked through its base
+    model (data.batching.base_model), so adapters change neither the count nor how it is passed."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        model = base_model(model)
         self.shifts_labels = _loss_shifts_labels(model)
         self.takes_item_count = _takes_item_count(model)
 
@@ -53,6 +57,10 @@ class TokenCount:
                 return int(value.sum()) if key == "attention_mask" else value.numel()
         return batch_size(batch)
 
+    def samples(self, batch) -> int:
+        """Throughput's samples in `batch`: its rows (a method whose rows pair up, such as DPO's
+        chosen and rejected, counts pairs)."""
+        return batch_size(batch)
 
     def seen(self, batches: list, counts: list[int]) -> int:
         """The tokens a step's throughput counts: the counted ones (a method whose loss counts

@@ -47,7 +47,7 @@ from ..execution.precision import select_precision
 from . import evaluation
 from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
 from .intervals import BestCheckpoint, Intervals, total_steps_of
-from .loss import TokenCount, batch_size
+from .loss import TokenCount
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS, PackedInputs
 from .signals import StopSignals
@@ -190,7 +190,7 @@ class Trainer:
                 samples = 0
                 for micro, (batch, count) in enumerate(zip(step_batches, counts)):
                     batch = to_device(batch, self.device, args.non_blocking_data_copy)
-                    samples += batch_size(batch)
+                    samples += self.count_tokens.samples(batch)  # rows, or DPO's pairs
                     # Gradients are all-reduced only on the last micro-batch of the step.
                     with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
                         with self._forward_context():
@@ -469,7 +469,7 @@ class Trainer:
             model=self.model, module=self._inference_module, forward=self._forward,
             compute_loss=self.compute_loss, compute_metrics=self.compute_metrics,
             collate=self._collate, batch_size=self.args.per_device_eval_batch_size,
-            seed=self.args.seed, group=self.group, lockstep=self.strategy.shards_state,
+            seed=self.args.seed, group=self.group, lockstep=self.strategy.forward_is_collective,
             device=self.device, non_blocking=self.args.non_blocking_data_copy,
             on_host=self._on_host, count_tokens=self.count_tokens,
             device_scalar=self._on_device_scalar, forward_context=self._forward_context,

@@ -1,0 +1,61 @@
+"""The real step a plan is checked against (bench/plan_accuracy.py, tests/test_plan_accuracy.py):
+a 3-step run of hputrain's Trainer (DPOTrainer for a DPO step) on the model a StepModel builds
+(random weights) and batches of its shape, whose third step StepPeak counts (plan_tracking.py).
+
+For DPO the pairs fill the block (a prompt of half the block, completions of the other half),
+as the plan assumes; the reference is what the run would have: a frozen model built as the plan
+builds it, the adapter-disabled policy under LoRA, or log-probs precomputed (by a frozen copy,
+freed before training) under precompute_ref_log_probs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .plan import StepModel
+from .plan_tracking import StepPeak, Trace
+
+
+def measure_step(step: StepModel, args, output_dir: str) -> tuple[Trace, bool]:
+    """(StepPeak's trace of the third step on this rank, whether this is the main rank). Every
+    rank of a multi-process run calls it."""
+    from ..training.trainer import Trainer
+
+    args = dataclasses.replace(args, output_dir=output_dir, max_steps=3, save_steps=-1,
+                               logging_steps=10, disable_tqdm=True, report_to="none",
+                               eval_steps=0)
+    torch.manual_seed(0)
+    model = step.build(step.lora)
+    peak = StepPeak(3)
+    copies = 4 * args.devices * args.num_nodes  # every rank has batches for each step
+    if step.preference is None:
+        batch = step.batch(args.per_device_train_batch_size)
+        samples = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
+                   for i in range(args.per_device_train_batch_size)] * copies
+        trainer = Trainer(model, args, train_dataset=samples, callbacks=[peak])
+    else:
+        trainer = _dpo_trainer(step, args, model, copies, peak)
+    trainer.train()
+    return peak.trace, trainer.group.is_main
+
+
+def _dpo_trainer(step: StepModel, args, model, copies: int, peak):
+    from ..config.preference import DPOConfig, preference_values
+    from ..training.dpo import DPOTrainer
+
+    size, settings = args.per_device_train_batch_size, step.preference
+    batch = step.batch(size)
+    ids, width = batch["input_ids"].tolist(), batch["input_ids"].shape[1]
+    half = width // 2
+    pairs = [{"prompt_ids": ids[i][:half], "chosen_ids": ids[i][half:],
+              "rejected_ids": ids[size + i][half:]} for i in range(size)] * copies
+    if settings.precompute_ref_log_probs:  # a frozen copy computes them, then is freed
+        reference = None if step.lora else step.build(False)
+    else:
+        reference = step.reference(step.lora) if step.reference else None
+    config = DPOConfig(**dataclasses.asdict(args), **preference_values(settings),
+                       max_length=width, ref_key="plan-measure")
+    trainer = DPOTrainer(model, config, ref_model=reference, train_dataset=pairs,
+                         callbacks=[peak])
+    return trainer

@@ -1,0 +1,42 @@
+"""One rank of a measured training step for tests/test_plan_accuracy.py, started by `hputrain
+launch`: a 3-step run of hputrain's Trainer (DPOTrainer for a DPO step) on the run `hputrain train
+FLAGS` describes (random weights, one repeated batch), whose third step rehearsal.plan.StepPeak
+counts (rehearsal/plan_measure.py). Rank 0 writes {"peak_bytes", "breakdown"} to RESULT.
+
+    plan_step_script.py RESULT FLAG...
+"""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hputrain.cli import build_parser  # noqa: E402
+from hputrain.cli.planning import planned_step  # noqa: E402
+from hputrain.rehearsal.plan_measure import measure_step  # noqa: E402
+
+
+def settings(flags: list[str]):
+    """(StepModel, TrainingArguments) of `hputrain plan FLAGS` (train's flags): the step the run
+    takes (DPO's on preference pairs)."""
+    return planned_step(vars(build_parser().parse_args(["plan", *flags])))
+
+
+def measure(flags: list[str], output_dir: str):
+    """The third step's StepPeak trace on this rank (every rank takes part)."""
+    step, args = settings(flags)
+    return measure_step(step, args, output_dir)
+
+
+def main(argv: list[str]) -> None:
+    result, flags = argv[0], argv[1:]
+    with tempfile.TemporaryDirectory() as out:
+        trace, main_rank = measure(flags, out)
+    if main_rank:
+        with open(result, "w") as f:
+            json.dump({"peak_bytes": trace.peak_bytes, "breakdown": trace.breakdown}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
