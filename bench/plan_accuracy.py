@@ -10,14 +10,15 @@ buckets from DistributedDataParallel's own account of them. Two-process cases ar
 
 Cases: the built-in GPT and a Hugging Face Llama (built from a config, random weights), fp32 and
 bf16, with and without gradient checkpointing and LoRA, 1 process, and 2 processes under ddp and
-fsdp.
+fsdp; and DPO steps on preference pairs (`--method dpo`, as the columns prompt / chosen /
+rejected pick it; DPOTrainer measured, rehearsal/plan_measure.py) with each reference: a frozen
+copy, --ref-model, the adapter-disabled base under LoRA, precomputed log-probs.
 
     python bench/plan_accuracy.py [--cases NAME,...] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ import torch
 FP32, BF16 = ["--precision", "fp32"], ["--precision", "bf16-mixed"]
 GPT = ["--model-size", "small", "--seq-len", "256"]
 LLAMA = ["--model", "{llama}", "--block-size", "256"]
+DPO = ["--method", "dpo"]  # what the columns prompt, chosen, rejected pick
 CASES = {
     # name: (flags of `hputrain train`, processes)
     "gpt fp32": ([*GPT, "--per-device-train-batch-size", "8", *FP32], 1),
@@ -57,6 +59,27 @@ CASES = {
     "llama fsdp 2 processes bf16 checkpointing": ([*LLAMA, "--per-device-train-batch-size", "2",
                                                    *BF16, "--strategy", "fsdp",
                                                    "--gradient-checkpointing"], 2),
+    "llama fsdp 2 processes LoRA fp32": ([*LLAMA, "--per-device-train-batch-size", "2", *FP32,
+                                          "--strategy", "fsdp", "--lora-r", "8"], 2),
+    "llama ddp 2 processes LoRA bf16 checkpointing": ([*LLAMA, "--per-device-train-batch-size",
+                                                       "2", *BF16, "--strategy", "ddp",
+                                                       "--lora-r", "8",
+                                                       "--gradient-checkpointing"], 2),
+    "llama DPO frozen copy fp32": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *FP32], 1),
+    "llama DPO frozen copy bf16 checkpointing": ([*LLAMA, *DPO, "--per-device-train-batch-size",
+                                                  "2", *BF16, "--gradient-checkpointing"], 1),
+    "llama DPO --ref-model bf16": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *BF16,
+                                    "--ref-model", "{llama}"], 1),
+    "llama DPO LoRA fp32": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *FP32,
+                             "--lora-r", "8"], 1),
+    "llama DPO precomputed fp32": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *FP32,
+                                    "--precompute-ref-log-probs"], 1),
+    "llama DPO fsdp 2 processes bf16": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *BF16,
+                                         "--strategy", "fsdp"], 2),
+    "llama DPO fsdp 2 processes LoRA fp32": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2",
+                                              *FP32, "--strategy", "fsdp", "--lora-r", "8"], 2),
+    "llama DPO ddp 2 processes fp32": ([*LLAMA, *DPO, "--per-device-train-batch-size", "2", *FP32,
+                                        "--strategy", "ddp"], 2),
 }
 
 
@@ -74,15 +97,11 @@ def llama_folder(root: Path) -> Path:
 
 
 def parsed(flags: list[str]):
-    """(recipe module, options, TrainingArguments) of `hputrain train` with these flags."""
+    """(StepModel, TrainingArguments) of the step `hputrain train` with these flags takes."""
     from hputrain.cli import build_parser
-    from hputrain.recipes import chosen_recipe
+    from hputrain.cli.planning import planned_step
 
-    values = vars(build_parser().parse_args(["plan", *flags]))
-    values = {k: v for k, v in values.items() if k not in ("target", "json")}
-    if "model" in values:
-        values["dataset"] = "(unused)"
-    return chosen_recipe(values)
+    return planned_step(vars(build_parser().parse_args(["plan", *flags])))
 
 
 def planned(flags: list[str]) -> dict:
@@ -99,24 +118,12 @@ def planned(flags: list[str]) -> dict:
 
 def measured(flags: list[str], out: str) -> dict | None:
     """Rank 0's StepPeak of a real 3-step run (None on other ranks)."""
-    from hputrain import Trainer
-    from hputrain.rehearsal.plan import StepModel, StepPeak
+    from hputrain.rehearsal.plan_measure import measure_step
 
-    recipe, options, args = parsed(flags)
-    step = StepModel(**recipe.step_model(options))
-    args = dataclasses.replace(args, output_dir=out, max_steps=3, save_steps=-1, logging_steps=10,
-                               disable_tqdm=True, report_to="none", eval_steps=0)
-    torch.manual_seed(0)
-    model = step.build(step.lora)
-    batch = step.batch(args.per_device_train_batch_size)
-    samples = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
-               for i in range(args.per_device_train_batch_size)] * 4 * args.devices
-    peak = StepPeak(3)
-    trainer = Trainer(model, args, train_dataset=samples, callbacks=[peak])
-    trainer.train()
-    if not trainer.group.is_main:
+    trace, main_rank = measure_step(*parsed(flags), out)
+    if not main_rank:
         return None
-    return {"peak": peak.trace.peak_bytes, "breakdown": peak.trace.breakdown}
+    return {"peak": trace.peak_bytes, "breakdown": trace.breakdown}
 
 
 def run_case(name: str, root: Path) -> dict:
@@ -154,7 +161,12 @@ def machine() -> str:
     from hputrain.accelerators import detect_accelerator
 
     cpu = detect_accelerator("cpu", "eager")
-    return (f"{cpu.device_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    bf16 = "avx512_bf16 present" if "avx512_bf16" in flags else "no avx512_bf16"
+    return (f"{cpu.device_name()}, {os.cpu_count()} cores, {bf16}, torch {torch.__version__}, "
             f"python {platform.python_version()}")
 
 

@@ -180,7 +180,8 @@ def test_generate_with_an_adapter_folder_answers_as_peft_does(lora_run, chat_mod
                                             return_tensors="pt")
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     with torch.no_grad():
-        out = model.generate(**encoded, max_new_tokens=12, do_sample=False, eos_token_id=stops,
+        out = model.generate(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                             max_new_tokens=12, do_sample=False, eos_token_id=stops,
                              pad_token_id=tokenizer.pad_token_id)
     expected = out[0, encoded["input_ids"].shape[1]:].tolist()
     monkeypatch.chdir(tmp_path)

@@ -381,6 +381,7 @@ def test_pairwise(case, inputs, tmp_path, request):
     run_case(case, inputs, tmp_path, request)
 
 
+@pytest.mark.slow  # the pooled case dpo-lora-ddp2-eager-val-ref_adapters-fp32 runs it in make test
 def test_issue_item_3_as_a_user_starts_it(inputs, tmp_path):
     """The pooled cases share their two processes; this one is `hputrain train --devices 2` itself
     (the relaunch, the launcher's end): LoRA DPO whose 3 validation pairs leave rank 1 without a

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from hputrain.accelerators import detect_accelerator
+from hputrain.cli import main
 from hputrain.rehearsal.plan import plan, trace_step
 from hputrain.rehearsal.plan_measure import measure_step
 
@@ -100,20 +100,23 @@ def test_pairs_plan_the_reference_and_twice_the_rows(llama, data):
     assert dpo.peak_bytes > 1.3 * lm.peak_bytes
 
 
-def run_plan(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hputrain.cli", "plan", *argv],
-                          capture_output=True, text=True, timeout=300)
+def run_plan(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """`hputrain plan ARGV` (in this process): its exit status, stdout and stderr."""
+    capsys.readouterr()
+    status = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, status, out, err)
 
 
-def test_hputrain_plan_reads_the_columns_as_train_does(llama, data):
-    pairs = run_plan(*llama_flags(llama, "--precision", "fp32", "--dataset",
+def test_hputrain_plan_reads_the_columns_as_train_does(llama, data, capsys):
+    pairs = run_plan(capsys, *llama_flags(llama, "--precision", "fp32", "--dataset",
                                   str(data / "pairs.jsonl")))
     assert pairs.returncode == 0, pairs.stderr[-2000:]
     assert "DPO on pairs (reference: a frozen copy of the starting weights)" in pairs.stdout
-    text = run_plan(*llama_flags(llama, "--precision", "fp32", "--dataset",
+    text = run_plan(capsys, *llama_flags(llama, "--precision", "fp32", "--dataset",
                                  str(data / "text.jsonl"), "--json"))
     assert text.returncode == 0, text.stderr[-2000:]
-    method = run_plan(*llama_flags(llama, "--precision", "fp32", "--method", "dpo", "--json"))
+    method = run_plan(capsys, *llama_flags(llama, "--precision", "fp32", "--method", "dpo", "--json"))
     assert method.returncode == 0, method.stderr[-2000:]
     text_peak = json.loads(text.stdout)["peak_bytes"]
     assert json.loads(method.stdout)["peak_bytes"] > 1.3 * text_peak
@@ -124,9 +127,9 @@ def test_hputrain_plan_reads_the_columns_as_train_does(llama, data):
     (["--method", "dpo", "--dataset", "{text}"], "--method dpo needs preference rows"),
     (["--ref-model", "{llama}", "--dataset", "{text}"], "is for preference pairs"),
 ])
-def test_a_method_the_data_cannot_take_is_one_line_and_exit_2(llama, data, argv, says):
+def test_a_method_the_data_cannot_take_is_one_line_and_exit_2(llama, data, argv, says, capsys):
     names = {"pairs": data / "pairs.jsonl", "text": data / "text.jsonl", "llama": llama}
-    proc = run_plan(*llama_flags(llama, *[a.format(**names) for a in argv]))
+    proc = run_plan(capsys, *llama_flags(llama, *[a.format(**names) for a in argv]))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
 
@@ -141,8 +144,7 @@ def planned_and_measured_on_2(flags: list[str], tmp_path: Path):
     return planned_, json.loads(result.read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # CI's 2-process plan check: test_plan_accuracy.py (gpt fsdp)
 def test_dpo_fsdp_bf16_on_2_processes_is_within_10_percent(llama, tmp_path):
     """The frozen copy sharded like the policy; Gloo's reduce-scatter copy counted."""
     planned_, real = planned_and_measured_on_2(
