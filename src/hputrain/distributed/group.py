@@ -175,6 +175,13 @@ def has_avg(backend: str) -> bool:
     return backend == dist.Backend.NCCL
 
 
+def reduces_in_a_copy(backend: str | None) -> bool:
+    """Whether `backend` reduces a collective's input in a copy of it, inside the collective
+    (Gloo does; NCCL and HCCL reduce in place): memory a fake process group never shows, which
+    `hputrain plan` adds."""
+    return backend == dist.Backend.GLOO
+
+
 def _check_rendezvous_env(world: int) -> None:
     """A process of a multi-process run finds the others through MASTER_ADDR and MASTER_PORT
     (torchrun and `hputrain launch` set both): one line when they are missing or not a port."""

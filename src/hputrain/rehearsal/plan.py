@@ -41,12 +41,13 @@ import torch
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.sections import Sections
 from ..distributed.activation_checkpointing import apply_activation_checkpointing
+from ..distributed.group import reduces_in_a_copy
 from ..distributed.strategies import Strategy
 from ..errors import InputError
 from ..execution.precision import select_precision
 from ..training.evaluation import loss_of
 from ..training.optim import create_optimizer
-from .plan_tracking import (CATEGORIES, COPIES_COLLECTIVE_INPUT,  # noqa: F401 (the API)
+from .plan_tracking import (CATEGORIES,  # noqa: F401 (the API)
                             StepPeak, Trace, breakdown, tracker)
 
 
@@ -153,7 +154,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         with counting:
             with precision.forward_context():
                 loss = loss_fn(model, batch)
-            if replicated and backend in COPIES_COLLECTIVE_INPUT:
+            if replicated and reduces_in_a_copy(backend):
                 copies.install()
             loss.backward()
             copies.end_of_backward()
@@ -237,16 +238,12 @@ def _prepare(model, args, group, accelerator):
 
 
 def _frozen(reference, args, accelerator):
-    """A frozen model as DPOTrainer prepares its reference: in the run's precision (stored in
-    bf16 under bf16, where no float32 master is needed), no gradient, eval mode. Done while its
-    weights are meta tensors: a fake tensor's dtype cannot be changed in place."""
+    """A frozen model as DPOTrainer prepares its reference (Precision.convert_frozen). Done while
+    its weights are meta tensors: a fake tensor's dtype cannot be changed in place."""
     if reference is None:
         return None
     precision = select_precision(Sections.of(args).precision, AcceleratorConfig(), accelerator)
-    reference = precision.convert_module(reference).requires_grad_(False).eval()
-    if precision.compute_dtype == torch.bfloat16:
-        reference = reference.to(torch.bfloat16)
-    return reference
+    return precision.convert_frozen(reference)
 
 
 def _warm_up(optimizer, clip) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..callbacks import Callback
+from ..distributed.group import reduces_in_a_copy
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
 _KINDS = {"PARAM": "parameters", "BUFFER": "parameters", "SHARDED_PARAM": "parameters",
@@ -45,8 +46,6 @@ _KINDS = {"PARAM": "parameters", "BUFFER": "parameters", "SHARDED_PARAM": "param
 backward's temporaries, fsdp's all-gather and reduce-scatter buffers)."""
 _OFFLOADED = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT")
 """What FSDP2's CPUOffloadPolicy keeps in host memory."""
-COPIES_COLLECTIVE_INPUT = ("gloo",)
-"""Communication backends that reduce a collective's input in a copy of it (see above)."""
 
 
 @dataclass
@@ -73,7 +72,7 @@ def tracker(model, optimizer, sharded: bool, inputs=(), *, offloaded: bool = Fal
         found = _peak_tracker(MemTracker)()
         found.track_external(model, optimizer, *inputs)
     found.host_kinds = _OFFLOADED if offloaded and sharded else ()
-    found.copies_reduce_scatter_input = backend in COPIES_COLLECTIVE_INPUT
+    found.copies_reduce_scatter_input = reduces_in_a_copy(backend)
     if frozen is not None:
         kinds = found._ref_class
         weights = kinds.SHARDED_PARAM if sharded else kinds.PARAM

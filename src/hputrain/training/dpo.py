@@ -238,15 +238,11 @@ class DPOTrainer(Trainer):
 
     def _place(self, ref_model):
         """The reference on this rank's device in the policy's precision, frozen; sharded like the
-        policy under fsdp (whose forward is a collective). Under bf16 its weights are stored in
-        bf16: no gradient or optimizer needs float32 masters, and autocast would otherwise cast
-        every weight again at each forward (and hold twice the memory)."""
+        policy under fsdp (whose forward is a collective); stored in bf16 under bf16
+        (Precision.convert_frozen)."""
         if ref_model is None:
             return None
-        ref_model = self.precision.convert_module(ref_model).requires_grad_(False).eval()
-        if self.precision.compute_dtype == torch.bfloat16:
-            ref_model = ref_model.to(torch.bfloat16)
-        return self.strategy.place_frozen(ref_model, self.device)
+        return self.strategy.place_frozen(self.precision.convert_frozen(ref_model), self.device)
 
     def method_metrics(self) -> dict:
         return self.objective.take_metrics(self.group)
