@@ -12,7 +12,10 @@ from ..errors import InputError, did_you_mean
 ENV_VARS = ("HPUTRAIN_ACCELERATOR", "PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT",
             "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST",
             "HABANA_VISIBLE_MODULES", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
-            "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+            "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+            # what mpirun and srun say instead (distributed/launchers.py)
+            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+            "SLURM_STEP_NUM_TASKS")
 
 
 class Parser(argparse.ArgumentParser):

@@ -66,6 +66,13 @@ class HFOptions(PreferenceOptions):
     DatasetDict with a "validation" split, which is evaluated on instead; 0 means no evaluation."""
     cache_dir: str | None = None
     """Where the tokenized data set is cached; unset means output_dir/.cache."""
+    dataset_num_proc: int | None = None
+    """Processes that tokenize the data set the first time (TRL's name); unset means one per CPU
+    core, at most 8. The first process of each node tokenizes, the others wait and share its cache."""
+    streaming: bool = False
+    """Read --dataset (a folder of JSON Lines or Parquet shards) as a stream, tokenized and packed
+    on the fly, each rank its own shards (shard i on rank i % ranks); a checkpoint saves the
+    stream's position. Needs --max-steps; evaluates on a validation/ subfolder of shards if any."""
     lora_r: int | None = None
     """Train LoRA adapters of this rank instead of every weight (needs peft)."""
     lora_alpha: float | None = None
@@ -133,10 +140,22 @@ def method_defaults(options: HFOptions) -> dict:
 def run(options: HFOptions, training_args, accelerator_config) -> int:
     import torch
 
+    from ..distributed.launch import needs_launch, relaunch_current_program
+    from ..distributed.launchers import adopt_launcher_env
     from ..training.trainer import Trainer
     from .finish import report_outputs, save_final, write_recipe
 
     folder = model_folder(options.model, base_model=options.base_model)
+    if options.streaming:  # a shard folder's refusals, before any weight is read (hf_stream.py)
+        from .hf_stream import check_stream
+
+        check_stream(options, training_args)
+    adopt_launcher_env(training_args.devices, training_args.num_nodes)  # mpirun's or srun's ranks
+    if needs_launch(training_args.devices, training_args.num_nodes):
+        # One process per device, started before any weight is read: this one only waits for them
+        # (it would otherwise hold a whole copy of the model for the length of the run).
+        data_kind(options)  # the data's shape checked once, here, in one line
+        return relaunch_current_program(training_args.devices, training_args.num_nodes)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
@@ -157,8 +176,13 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
         return run_dpo(options, training_args, accelerator_config, folder, model, tokenizer,
                        block_size, ref_model, ref_folder)
-    data = load_data(options, tokenizer, block_size, tokenizer_source(folder, options.base_model),
-                     options.cache_dir or Path(training_args.output_dir) / ".cache")
+    if options.streaming:  # shards read as a stream, each rank its own (hf_stream.py)
+        from .hf_stream import stream_data, stream_header
+
+        data = stream_data(options, tokenizer, block_size)
+    else:
+        data = load_data(options, tokenizer, block_size, tokenizer_source(folder, options.base_model),
+                         options.cache_dir or Path(training_args.output_dir) / ".cache")
     if data.method != "text" and options.packing and training_args.context_parallel_size > 1:
         raise InputError("packed SFT blocks under context parallelism are not supported (each rank "
                          "would hold a slice of several examples): use --no-packing")
@@ -166,7 +190,8 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
                       data_collator=getattr(data, "collator", None),
                       accelerator_config=accelerator_config, processing_class=tokenizer)
     if trainer.group.is_main:
-        print(_header(trainer, model, options, data, block_size))
+        print(stream_header(trainer, model, options, data, block_size) if options.streaming
+              else _header(trainer, model, options, data, block_size))
     output = trainer.train()
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
     if not trainer.group.is_main:
@@ -223,7 +248,8 @@ def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cach
     if method == "text":
         data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
                            validation_percentage=options.validation_split_percentage,
-                           cache_dir=cache_dir, tokenizer_folder=folder)
+                           cache_dir=cache_dir, tokenizer_folder=folder,
+                           workers=options.dataset_num_proc)
     else:
         data = load_sft(options.dataset, method, tokenizer, block_size, options, cache_dir=cache_dir,
                         tokenizer_folder=folder)

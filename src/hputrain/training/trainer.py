@@ -38,6 +38,7 @@ from ..distributed import ProcessGroup, select_strategy
 from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..distributed.context_parallel import ContextParallel, NoContextParallel
 from ..distributed.launch import needs_launch, relaunch_current_program
+from ..distributed.launchers import adopt_launcher_env
 from ..distributed.placement import move_to_device
 from ..distributed.selection import set_layout
 from ..errors import InputError
@@ -77,6 +78,7 @@ class Trainer:
                 args = args.for_rehearsal(folder)
         self.args = args
         self.settings = Sections.of(args)  # each subsystem's own part of args, cut once
+        adopt_launcher_env(self.args.devices, self.args.num_nodes)  # mpirun's or srun's ranks, as torchrun's
         if needs_launch(self.args.devices, self.args.num_nodes):
             # Lightning's way: run this program again, one process per device, and end here.
             sys.exit(relaunch_current_program(self.args.devices, self.args.num_nodes))
@@ -161,7 +163,7 @@ class Trainer:
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
         self.scheduler = create_scheduler(self.optimizer, settings.optimizer, total_steps)
-        state = self._resume(resume_from_checkpoint)
+        state = self._resume(resume_from_checkpoint, batches)
         self.global_step = state.get("step", 0)
         self.best = BestCheckpoint(settings.schedule, state)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
@@ -507,7 +509,8 @@ class Trainer:
             raise InputError("train() needs a train_dataset")
         return MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
                             self.args.gradient_accumulation_steps, self.group.dp_rank,
-                            self.group.dp_size, self.args.seed, loading=self._loading())
+                            self.group.dp_size, self.args.seed, loading=self._loading(),
+                            agree=self.group.host_sum)  # a rank-local stream's passes end together
 
     def _loading(self) -> LoaderOptions:
         """How batches are loaded: worker processes, pinned memory (only where the device copies
@@ -546,7 +549,7 @@ class Trainer:
             rank=self.group.rank, world_size=self.group.world_size,
             save_total_limit=None if tracking else self.args.save_total_limit,
             barrier=self.group.barrier, state_io=checkpoint.state_io_for(self.strategy),
-            consolidate=last)
+            consolidate=last, data_state=batches.data_state(self.global_step))
         if tracking and self.group.is_main:  # only rank 0 touches the folders
             rotate_checkpoints(self.args.output_dir,
                                self.best.keep_limit(self.args.save_total_limit, folder),
@@ -565,7 +568,7 @@ class Trainer:
         self.log_message(f"loaded the best checkpoint, {folder.name} ({self.best.key} "
                          f"{self.best.metric:g})")
 
-    def _resume(self, spec: str | None) -> dict:
+    def _resume(self, spec: str | None, batches: MicroBatches | None = None) -> dict:
         if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
             spec = "latest"  # torchrun restarted the job after a failure: pick up where it was
         if not spec:
@@ -575,6 +578,8 @@ class Trainer:
                                            scheduler=self.scheduler, accelerator=self.accelerator,
                                            rank=self.group.rank,
                                            state_io=checkpoint.state_io_for(self.strategy))
+        if batches is not None:  # a stream that reads its own shards continues where it was
+            batches.load_state_dict(checkpoint.read_data_state(folder, self.group.rank))
         self.accelerator.mark_step()
         return state
 

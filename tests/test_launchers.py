@@ -1,0 +1,164 @@
+"""Workers started by mpirun (Open MPI, Hydra) or srun read their place in the job from the
+launcher's variables (distributed/launchers.py): unit tests of the mapping, and two processes
+started by hand with Open MPI's (or srun's) variables, which train to the same losses as
+`--devices 2`."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hputrain.distributed.launchers import adopt_launcher_env, first_host
+from hputrain.errors import InputError
+
+ROOT = Path(__file__).parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HPUTRAIN_CONFIG_FILE": "/nonexistent/hputrain.json",
+       "OMP_NUM_THREADS": "1"}
+
+
+def ompi(rank, size, local_rank, local_size, **more):
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size), "OMP_NUM_THREADS": "1", **more}
+
+
+def srun(rank, size, local_rank, node, tasks_per_node, nodelist="gaudi[07-09]", **more):
+    return {"SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": str(size), "SLURM_LOCALID": str(local_rank),
+            "SLURM_NODEID": str(node), "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+            "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_ID": "123456", "OMP_NUM_THREADS": "1", **more}
+
+
+def test_open_mpi_on_one_node_becomes_torchrun_names():
+    env = ompi(3, 4, 3, 4)
+    assert adopt_launcher_env(4, 1, env) == "mpirun (Open MPI)"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "3", "4")
+    assert (env["NODE_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("0", "127.0.0.1", "29500")
+
+
+def test_open_mpi_across_nodes_needs_master_addr_and_takes_node_from_rank():
+    with pytest.raises(InputError, match="MASTER_ADDR is not set.*mpirun -x MASTER_ADDR"):
+        adopt_launcher_env(8, 2, ompi(9, 16, 1, 8))
+    env = ompi(9, 16, 1, 8, MASTER_ADDR="10.0.0.1", MASTER_PORT="12345")
+    adopt_launcher_env(8, 2, env)
+    assert (env["RANK"], env["LOCAL_RANK"], env["NODE_RANK"]) == ("9", "1", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "12345")  # the user's win
+
+
+def test_hydra_variables():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+           "OMP_NUM_THREADS": "1"}
+    assert adopt_launcher_env(environ=env) == "mpirun (MPICH / Intel MPI)"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "2", "1")
+
+
+def test_srun_step_variables_node_list_and_job_port():
+    env = srun(5, 8, 1, 1, "4(x2)")
+    assert adopt_launcher_env(4, 2, env) == "srun (SLURM)"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "8", "1", "4")
+    assert (env["NODE_RANK"], env["MASTER_ADDR"]) == ("1", "gaudi07")
+    assert env["MASTER_PORT"] == str(20000 + 123456 % 10000)
+    uneven = srun(8, 11, 0, 2, "4(x2),3")
+    adopt_launcher_env(environ=uneven)
+    assert uneven["LOCAL_WORLD_SIZE"] == "3"
+
+
+@pytest.mark.parametrize("nodelist, first", [("gaudi07", "gaudi07"), ("gaudi[07-09,12]", "gaudi07"),
+                                             ("a1,b2", "a1"), ("rack[3,5]-n[01-04]", "rack3-n01")])
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+def test_torchrun_variables_win_and_a_batch_script_is_one_process():
+    env = {**ompi(1, 2, 1, 2), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    assert adopt_launcher_env(environ=env) is None and env["RANK"] == "0"
+    # sbatch's own shell: SLURM_PROCID and the allocation's SLURM_NTASKS, but no srun step
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"}
+    assert adopt_launcher_env(environ=batch) is None and "RANK" not in batch
+
+
+def test_one_task_per_node_launches_its_node():
+    env = srun(1, 2, 0, 1, "1(x2)", nodelist="n[1-2]")
+    adopt_launcher_env(8, 2, env)
+    assert "RANK" not in env and "LOCAL_RANK" not in env  # --devices 8 starts this node's processes
+    assert (env["NODE_RANK"], env["MASTER_ADDR"]) == ("1", "n1")
+
+
+def test_mismatches_are_one_line():
+    with pytest.raises(InputError, match="started 2 process.*--devices is 4"):
+        adopt_launcher_env(4, 1, ompi(0, 2, 0, 2))
+    with pytest.raises(InputError, match="rank 2 of 2"):
+        adopt_launcher_env(environ=ompi(2, 2, 0, 2))
+    with pytest.raises(InputError, match="OMPI_COMM_WORLD_SIZE must be a whole number"):
+        adopt_launcher_env(environ=ompi(0, "two", 0, 1))
+    with pytest.raises(InputError, match="not a list of task counts"):
+        adopt_launcher_env(environ=srun(0, 2, 0, 0, "two"))
+
+
+# -- two processes, started as mpirun or srun would start them ------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_args(corpus: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "hputrain.cli", "train", "--corpus", str(corpus), "--cpu", "--output-dir",
+            str(out), "--max-steps", "3", "--seq-len", "32", "--logging-steps", "1",
+            "--per-device-train-batch-size", "2", "--disable-tqdm"]
+
+
+def _losses(out: Path) -> list[float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def _by_hand(variables, args: list[str], port: int) -> list[subprocess.CompletedProcess]:
+    """Both ranks at once, each with its launcher's variables and nothing of torchrun's."""
+    base = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    procs = [subprocess.Popen(args, cwd=ROOT, env={**base, **variables(rank), "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+@pytest.fixture(scope="module")
+def devices_2_losses(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("devices2")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_bytes(Path(os.__file__).read_bytes()[:60_000])
+    out = tmp / "run"
+    proc = subprocess.run(_train_args(corpus, out) + ["--devices", "2"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return corpus, _losses(out)
+
+
+def test_mpirun_ranks_train_as_devices_2(devices_2_losses, tmp_path):
+    corpus, expected = devices_2_losses
+    out = tmp_path / "mpi"
+    procs = _by_hand(lambda rank: ompi(rank, 2, rank, 2), _train_args(corpus, out) + ["--devices", "2"],
+                     _free_port())
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(expected) == 3 and _losses(out) == pytest.approx(expected, rel=1e-5)
+    assert (out / "checkpoint-3" / "rng_state_1.pt").exists()  # one job of two ranks, not two jobs
+    assert "checkpoint:" in procs[0].stdout and "checkpoint:" not in procs[1].stdout  # rank 0 reports
+
+
+@pytest.mark.slow
+def test_srun_tasks_train_as_devices_2(devices_2_losses, tmp_path):
+    corpus, expected = devices_2_losses
+    out = tmp_path / "srun"
+    procs = _by_hand(lambda rank: srun(rank, 2, rank, 0, "2", nodelist="localhost"),
+                     _train_args(corpus, out), _free_port())
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(out) == pytest.approx(expected, rel=1e-5)
