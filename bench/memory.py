@@ -9,8 +9,15 @@ the built-in GPT at the "base" width with 16 blocks (113.7M parameters) unless t
   gradient_checkpointing (one process); checkpointing: the median step time of the same two
   (one process, interleaved repeats).
 - speed: median step time of fsdp against ddp at 2 processes, same model and batch per process.
+- hf: `hputrain train --model DIR` on a Hugging Face Llama folder (HF_CONFIG, random weights
+  written by save_pretrained into a temporary folder), 2 steps, for one process and for fsdp on
+  2 and 4 processes: each rank's peak RSS when training begins (loaded and sharded), when it
+  ends, and at exit (rank 0 gathers the whole model to write final/), median of --repeats runs;
+  with fsdp, also the same folder
+  with its tensors under names that do not map one to one (the fallback: every rank loads the
+  whole model with from_pretrained, as before sharded loading).
 
-    python bench/memory.py [--parts state,saved,checkpointing,speed] [--layers 16] [--batch 4]
+    python bench/memory.py [--parts state,saved,checkpointing,speed,hf] [--layers 16] [--batch 4]
                            [--seq-len 128] [--steps 8] [--warmup 3] [--repeats 3]
 """
 from __future__ import annotations
@@ -125,7 +132,36 @@ def time_worker(opts, data) -> dict:
 WORKERS = {"state": state_worker, "saved": saved_worker, "time": time_worker}
 
 
+def hf_worker(opts) -> None:
+    """`hputrain train ARGS` in this process, which writes into RESULT.RANK this rank's peak RSS
+    when training begins (the model loaded, sharded and on its device), when it ends (before the
+    final export, where rank 0 gathers the whole model to write final/) and at exit. A process
+    that only starts the ranks writes RESULT.launcher."""
+    import atexit
+
+    from hputrain import cli
+    from hputrain.callbacks import Callback, added_to_every_trainer
+
+    result = {}
+
+    class Peaks(Callback):
+        def on_train_begin(self, trainer):
+            result["loaded"] = peak_rss()
+
+        def on_train_end(self, trainer):
+            result["trained"] = peak_rss()
+
+    rank = os.environ.get("RANK", "0" if opts.processes == 1 else "launcher")
+    atexit.register(lambda: Path(f"{opts.result}.{rank}").write_text(
+        json.dumps(result | {"at_exit": peak_rss()})))
+    with added_to_every_trainer(Peaks):
+        status = cli.main(["train", *opts.train])
+    sys.exit(status)
+
+
 def worker(opts) -> None:
+    if opts.worker == "hf":
+        return hf_worker(opts)
     data, _ = load_corpus(seq_len=opts.seq_len, max_bytes=1_000_000)
     result = WORKERS[opts.worker](opts, data)
     Path(f"{opts.result}.{os.environ.get('RANK', '0')}").write_text(json.dumps(result))
@@ -216,8 +252,105 @@ def report_times(times: dict[str, list[float]]) -> None:
     print({name: [round(v, 3) for v in values] for name, values in times.items()})
 
 
+HF_CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
+                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+"""The Llama of the hf part: 158.6M parameters, 605 MiB in fp32."""
+
+
+def hf_folder(root: Path) -> Path:
+    """A Llama folder as a user has it: config, random fp32 weights (save_pretrained) and a small
+    byte-level BPE tokenizer trained here, so that nothing is downloaded."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    folder = root / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).save_pretrained(folder)
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([HF_TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>", pad_token="<pad>").save_pretrained(folder)
+    return folder
+
+
+HF_TEXT = "the quick brown fox jumps over the lazy dog; a stitch in time saves nine\n"
+
+
+def renamed_copy(folder: Path) -> Path:
+    """`folder` with its tensors under the base model's names (no `model.` prefix):
+    from_pretrained maps them, hputrain's one-to-one match does not, so every rank loads it whole."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = folder.with_name("llama-renamed")
+    shutil.copytree(folder, target)
+    state = load_file(target / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in state.items()}, target / "model.safetensors",
+              metadata={"format": "pt"})
+    return target
+
+
+def hf_run(opts, folder: Path, data: Path, processes: int, strategy: str, root: Path) -> list[dict]:
+    """Each rank's peaks of one `hputrain train` run (bytes), rank order."""
+    result = str(root / f"result-{processes}-{strategy}-{folder.name}")
+    train = ["--model", str(folder), "--dataset", str(data), "--max-steps", "2", "--cpu",
+             "--devices", str(processes), "--strategy", strategy, "--block-size", "128",
+             "--per-device-train-batch-size", "2", "--validation-split-percentage", "0",
+             "--logging-steps", "1", "--disable-tqdm", "--report-to", "none",
+             "--output-dir", str(root / f"out-{processes}-{strategy}-{folder.name}"), "--overwrite-output-dir"]
+    command = [sys.executable, str(HERE / "memory.py"), "--worker", "hf", "--result", result,
+               "--processes", str(processes), "--", *train]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}")
+    return [json.loads(Path(f"{result}.{rank}").read_text()) for rank in range(processes)]
+
+
+def hf_part(opts) -> None:
+    import transformers
+
+    runs = {"1 process": (1, "single", False), "fsdp, 2 processes": (2, "fsdp", False),
+            "fsdp, 4 processes": (4, "fsdp", False),
+            "fsdp, 4 processes, whole model on every rank (fallback)": (4, "fsdp", True)}
+    peaks: dict[str, list[list[dict]]] = {name: [] for name in runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        folder = hf_folder(root)
+        renamed = renamed_copy(folder)
+        data = root / "data.txt"
+        data.write_text(HF_TEXT * 4000)
+        for _ in range(opts.repeats):
+            for name, (n, strategy, whole) in runs.items():
+                peaks[name].append(hf_run(opts, renamed if whole else folder, data, n, strategy, root))
+    params = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).num_parameters()
+    print(f"model: Llama {HF_CONFIG}, {params / 1e6:.1f}M parameters, {params * 4 / 2**20:,.0f} MiB fp32; "
+          f"2 steps of 2 x 128 tokens per process, AdamW; median of {opts.repeats} runs")
+    single = statistics.median(r[0]["at_exit"] for r in peaks["1 process"])
+    print("peak RSS per rank, MiB, rank 0 / the largest other rank (x the one-process peak at exit)")
+    print("| run | when training begins (model loaded and sharded) | when training ends | at exit "
+          "(rank 0 has gathered the model for final/) |")
+    print("|---|---|---|---|")
+    for name, repeats in peaks.items():
+        others = range(1, len(repeats[0])) or range(1)
+        cells = []
+        for key in ("loaded", "trained", "at_exit"):
+            zero, other = (statistics.median(max(r[rank][key] for rank in ranks) for r in repeats)
+                           for ranks in ([0], others))
+            cells.append(f"{zero / 2**20:,.0f} / {other / 2**20:,.0f} ({zero / single:.2f} / {other / single:.2f})")
+        print(f"| {name} | {' | '.join(cells)} |")
+    print({name: [[{k: round(v / 2**20) for k, v in r.items()} for r in ranks] for ranks in repeats]
+           for name, repeats in peaks.items()})
+
+
 PARTS = {"state": state_part, "saved": saved_part, "checkpointing": checkpointing_time_part,
-         "speed": speed_part}
+         "speed": speed_part, "hf": hf_part}
 
 
 def main() -> None:
@@ -230,11 +363,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timings")
     p.add_argument("--threads", type=int, default=2, help="threads of the one-process checkpointing runs")
-    p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=[*WORKERS, "hf"], help=argparse.SUPPRESS)
     p.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
     p.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("train", nargs="*", help=argparse.SUPPRESS)  # the hf worker's `hputrain train` arguments
     opts = p.parse_args()
     if opts.worker:
         return worker(opts)

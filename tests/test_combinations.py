@@ -75,6 +75,30 @@ def _datasets(root: Path) -> dict:
             (("text", text), ("chat", chat), ("completion", completion), ("dpo", pairs))}
 
 
+def _shard_folders(root: Path) -> dict:
+    """(method, validation level) -> a folder of two JSON Lines shards (one a rank under 2
+    processes) of 160 rows each, enough for two passes' worth of batches on every rank, with a
+    validation/ subfolder of 3 rows under "val"."""
+    n, folders = len(WORDS), {}
+    shapes = {
+        "text": lambda i: {"text": " ".join(f"{i} {WORDS[(i + k) % n]}" for k in range(6))},
+        "chat": lambda i: {"messages": [{"role": "user", "content": f"{i}: {WORDS[i % n]}?"},
+                                        {"role": "assistant", "content": WORDS[(i + 1) % n]}]},
+        "completion": lambda i: {"prompt": f"{i}: {WORDS[i % n]} ", "completion": WORDS[(i + 1) % n]}}
+    for method, row in shapes.items():
+        for validation in ("noval", "val"):
+            folder = root / f"{method}-shards-{validation}"
+            (folder / "validation").mkdir(parents=True, exist_ok=validation == "noval")
+            for shard in (0, 1):
+                _write_jsonl(folder / f"part-{shard}.jsonl", [row(i) for i in range(shard, 320, 2)])
+            if validation == "val":
+                _write_jsonl(folder / "validation" / "part-0.jsonl", [row(1000 + i) for i in range(3)])
+            else:
+                (folder / "validation").rmdir()
+            folders[method, validation] = str(folder)
+    return folders
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> combos.Inputs:
     """A tiny Llama whose tokenizer carries ChatML's markers and template, another of the same
@@ -85,7 +109,7 @@ def inputs(tmp_path_factory) -> combos.Inputs:
     tokenizer.chat_template = (TEMPLATES / "chatml_tagged.jinja").read_text()
     return combos.Inputs(model=_save_llama(root / "model", tokenizer, seed=0),
                          ref_model=_save_llama(root / "reference", tokenizer, seed=1),
-                         datasets=_datasets(root))
+                         datasets=_datasets(root), streams=_shard_folders(root))
 
 
 # -- running a case --------------------------------------------------------------------------------
@@ -381,7 +405,7 @@ def test_pairwise(case, inputs, tmp_path, request):
     run_case(case, inputs, tmp_path, request)
 
 
-@pytest.mark.slow  # the pooled case dpo-lora-ddp2-eager-val-ref_adapters-fp32 runs it in make test
+@pytest.mark.slow  # the pooled case dpo-lora-ddp2-eager-val-ref_adapters-fp32-file runs it in make test
 def test_issue_item_3_as_a_user_starts_it(inputs, tmp_path):
     """The pooled cases share their two processes; this one is `hputrain train --devices 2` itself
     (the relaunch, the launcher's end): LoRA DPO whose 3 validation pairs leave rank 1 without a

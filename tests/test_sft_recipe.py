@@ -151,7 +151,7 @@ def test_evaluate_caches_in_cache_dir_and_never_in_the_model_folder(tmp_path, ca
     model_files = sorted(chat_model.rglob("*"))
     cache = tmp_path / "cache"
     first = evaluate(capsys, chat_model, data, "--block-size", BLOCK, "--cache-dir", str(cache))
-    (cached,) = cache.glob("sft-*.npz")
+    (cached,) = cache.glob("sft-*/")
     written = cached.stat().st_mtime_ns
     again = evaluate(capsys, chat_model, data, "--block-size", BLOCK, "--cache-dir", str(cache))
     assert cached.stat().st_mtime_ns == written  # read back, not written again

@@ -7,8 +7,9 @@ every rank writes its shards with torch.distributed.checkpoint into sharded/) un
 whose `shards_state` is True. Loading reads the state the way the folder holds it.
 
 With several processes every rank calls `save_checkpoint(..., barrier=dist.barrier)`, which runs:
-rank 0 begin_checkpoint | barrier | every rank write_rng_state and the state IO's write (rank 0
-only for FullState), rank 0 write_common_files | barrier | rank 0 finalize and
+rank 0 begin_checkpoint | barrier | every rank write_rng_state (and its data position, when a
+stream reads its own shards) and the state IO's write (rank 0 only for FullState), rank 0
+write_common_files | barrier | rank 0 finalize and
 rotate_checkpoints | barrier.
 """
 from __future__ import annotations
@@ -58,6 +59,24 @@ def write_rng_state(folder: str | os.PathLike, rank: int, accelerator=None) -> N
     }, rng_file(folder, rank))
 
 
+def data_state_file(folder: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank`'s data position is saved: a stream that reads its own shards has one per
+    rank (data/streaming.py)."""
+    return Path(folder) / f"data_state_rank{rank}.json"
+
+
+def read_data_state(folder: str | os.PathLike, rank: int) -> dict | None:
+    """Rank `rank`'s saved data position, or None when the checkpoint has none for it."""
+    file = data_state_file(folder, rank)
+    if not file.exists():
+        return None
+    with reading(file):
+        state = json.loads(file.read_text(encoding="utf-8"))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} does not hold a data position (a JSON object).")
+    return state
+
+
 def write_common_files(folder: str | os.PathLike, step: int, *, model, scheduler,
                        state: dict) -> None:
     """Rank 0: the model's configuration, the scheduler and the trainer state (with "step"
@@ -74,11 +93,12 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
                     save_total_limit: int | None = None,
                     barrier: Callable[[], None] | None = None,
                     state_io: StateIO | None = None,
-                    consolidate: bool = False) -> Path:
+                    consolidate: bool = False, data_state: dict | None = None) -> Path:
     """Save checkpoint STEP atomically and return its folder; then keep only the newest
     `save_total_limit` checkpoints. With world_size > 1 every rank calls this with `barrier`.
     `state_io` (default FullState) writes the model and optimizer state; `consolidate` also
-    writes the whole model as MODEL_FILE where the state IO shards it (the end of training)."""
+    writes the whole model as MODEL_FILE where the state IO shards it (the end of training).
+    `data_state`: this rank's data position (a stream's), written as data_state_rankR.json."""
     state_io = state_io or FullState()
     if save_total_limit is not None and save_total_limit < 1:
         raise InputError(f"save_total_limit must be at least 1, got {save_total_limit}.")
@@ -93,6 +113,8 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
         try:
             write_rng_state(tmp, rank, accelerator)
             json.dumps(state)  # fail before writing anything
+            if data_state is not None:
+                write_text(data_state_file(tmp, rank), json.dumps(data_state))
             state_io.write(tmp, model=unwrap_model(model), optimizer=optimizer, rank=rank)
             if consolidate:
                 with writing(tmp / MODEL_FILE):

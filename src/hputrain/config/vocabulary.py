@@ -102,7 +102,8 @@ DPO_CONFIG = {
     "model_init_kwargs": "is not taken: pass the model itself",
     "ref_model_init_kwargs": "is not taken: pass ref_model itself",
     "generate_during_eval": "is not supported: generate with `hputrain generate --model final/`",
-    "dataset_num_proc": "is not needed: pairs are encoded once, in the main process",
+    "dataset_num_proc": "is not taken: DPOTrainer encodes the rows it is given in the main process "
+                        "(hputrain train --dataset-num-proc N tokenizes once per node, in N processes)",
 }
 """TRL's DPOConfig names DPOConfig does not take, beside the Trainer's (TRAINING_ARGUMENTS)."""
 # by the class name of the settings dataclass the names are refused in

@@ -445,9 +445,18 @@ class MicroBatches:
 
     def __init__(self, dataset, collate, batch_size: int, accumulate: int = 1, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 loading: LoaderOptions = LoaderOptions()):
+                 loading: LoaderOptions = LoaderOptions(), agree=None):
         self.dataset, self.collate = dataset, collate
         self.loading = loading
+        # A data set that reads its own shards (data/streaming.py) is this rank's already: it is
+        # told its rank here and never sliced; `agree` (values -> their sums over the ranks: the
+        # process group's host_sum) ends its passes together (local_stream).
+        self.own_shards = bool(getattr(dataset, "reads_own_shards", False))
+        if self.own_shards:
+            dataset.take_rank(rank, world_size)
+        self.agree = agree or list
+        self._resumed: dict | None = None  # the position a resumed run's stream starts from
+        self._positions: dict[int, dict] = {}  # micro-batches given out -> the position after them
         self.batch_size, self.accumulate = batch_size, accumulate
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
@@ -460,10 +469,17 @@ class MicroBatches:
             self.steps_per_epoch = whole + (1 if rest and not drop_last else 0)
 
     def epoch_of(self, step: int) -> float:
+        if self.own_shards:  # the pass a rank-local stream is in after that step
+            return float(self._positions.get(step * self.accumulate, {}).get("epoch", 0))
         return step / self.steps_per_epoch if self.steps_per_epoch else 0.0
 
     def iterate(self, start_step: int = 0, epochs: int | None = None):
         """Micro-batches from optimizer step `start_step` on, for `epochs` passes (None: forever)."""
+        if self.own_shards:
+            batches = self.local_stream(start_step, epochs)
+            pinning = self.loading.pin_memory and not self.loading.num_workers  # else the loader pins
+            yield from (map(pin, batches) if pinning else batches)
+            return
         if self.loading.num_workers > 0:
             yield from workers.in_workers(self, start_step, epochs)
             return
@@ -518,3 +534,68 @@ class MicroBatches:
             if not produced:
                 raise InputError("the iterable train_dataset yielded no complete batch")
             epoch += 1
+
+    # -- a data set that reads its own shards (data/streaming.py) --------------------------------
+    def data_state(self, step: int) -> dict | None:
+        """This rank's stream position after optimizer step `step` (what a checkpoint saves), or
+        None for a data set without one."""
+        return self._positions.get(step * self.accumulate) if self.own_shards else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """The position a resumed run continues from (None: re-read the stream and skip the steps
+        already trained)."""
+        self._resumed = state
+
+    def local_stream(self, start_step: int = 0, epochs: int | None = None):
+        """Micro-batches of consecutive samples of a rank-local stream, none sliced, each one's
+        position remembered (data_state). A pass ends on every rank as soon as one rank's shards
+        run out: before each micro-batch the ranks agree (one small host all-reduce) whether any
+        has none left, so every rank takes the same steps; a rank that still had samples drops
+        them, and every rank starts its next pass."""
+        count, to_skip = start_step * self.accumulate, 0
+        if self._resumed is not None:
+            self.dataset.load_state_dict(self._resumed)
+        else:
+            to_skip = count  # no saved position: read the steps already trained again, unused
+        position, fresh = self.dataset.state_dict(), self._resumed is None
+        self._remember(count, position)
+        while epochs is None or position["epoch"] < epochs:
+            produced, batches = 0, self._pass_batches()
+            try:
+                while True:
+                    item = next(batches, None)
+                    ended, empty = self.agree([item is None, item is None and not produced and fresh])
+                    if empty:
+                        raise InputError("--streaming: a rank's shards hold less than one micro-batch "
+                                         f"({self.batch_size} samples): give every rank more data")
+                    if ended:
+                        break
+                    batch, position = item
+                    produced, count = produced + 1, count + 1
+                    self._remember(count, position)
+                    if to_skip:
+                        to_skip -= 1
+                        continue
+                    yield batch
+            finally:
+                batches.close()  # a loader's worker stops here
+            self.dataset.load_state_dict(position)
+            self.dataset.next_epoch()
+            position, fresh = self.dataset.state_dict(), True
+            self._remember(count, position)
+
+    def _pass_batches(self):
+        """(micro-batch, position after it) to the end of the pass, from a worker if asked for."""
+        return workers.local_pass(self) if self.loading.num_workers > 0 else self.pass_batches()
+
+    def pass_batches(self):  # here, or in a worker (workers.local_pass)
+        samples = iter(self.dataset)
+        while len(micro := [s for _, s in zip(range(self.batch_size), samples)]) == self.batch_size:
+            yield self.collate(micro), self.dataset.state_dict()
+
+    def _remember(self, count: int, position: dict) -> None:
+        """Keep the positions of the last two steps' micro-batches: a save follows its step, or
+        the next step's micro-batches when the ranks stop before training them."""
+        self._positions[count] = position
+        for old in [c for c in self._positions if c < count - 2 * self.accumulate]:
+            del self._positions[old]

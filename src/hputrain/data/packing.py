@@ -14,6 +14,12 @@ An example longer than a block is cut to its first block_size tokens and counted
 left to learn after the cut is left out and counted. `unpacked` is the packing=False path: one
 example per row, padded by PadToBuckets to a few lengths.
 
+`pack` and `unpacked` take lists and make every block at once (the Python API's small data sets).
+`pack_ragged` and `unpacked_ragged` give the same blocks and rows from examples kept flat in
+int32 arrays (token_store.Ragged, memory-mapped from the recipe's cache) and hold only the
+packing plan: each block is built by `fill_block` when it is read, so a data set costs a few
+bytes an example per rank instead of 32 bytes a token, and the ranks of a node share the tokens.
+
 Restarting positions alone do not keep attention inside an example. transformers (5.x) derives a
 block-diagonal mask from position_ids only when it gets no attention_mask and no KV cache; a
 causal LM's forward in training mode still builds a cache when use_cache is left at the config's
@@ -27,10 +33,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InputError
 from .batching import PadToBuckets
+from .token_store import Ragged
 
 IGNORE_INDEX = -100
 """Label of a token the loss leaves out."""
@@ -147,27 +155,39 @@ def pack(examples: list[dict], block_size: int, pad_token_id: int = 0) -> tuple[
     docstring), and what was cut, left out and padded."""
     kept, stats = truncate(examples, block_size)
     lengths = [len(e["input_ids"]) for e in kept]
-    blocks = []
-    for members in best_fit_decreasing(lengths, block_size):
-        input_ids = torch.full((block_size,), pad_token_id, dtype=torch.long)
-        labels = torch.full((block_size,), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros(block_size, dtype=torch.long)
-        seq_lens = torch.zeros(block_size, dtype=torch.long)
-        at = 0
-        for k, i in enumerate(members):
-            n = lengths[i]
-            input_ids[at:at + n] = torch.tensor(kept[i]["input_ids"])
-            labels[at:at + n] = torch.tensor(kept[i]["labels"])
-            labels[at] = IGNORE_INDEX  # nothing in this example predicts its first token
-            position_ids[at:at + n] = torch.arange(n)
-            seq_lens[k] = n
-            at += n
-        position_ids[at:] = torch.arange(block_size - at)  # the padding is a sequence of its own
-        stats.padding += block_size - at
-        blocks.append({"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-                       "seq_lens": seq_lens})
+    blocks = [fill_block([(kept[i]["input_ids"], kept[i]["labels"]) for i in members], block_size,
+                         pad_token_id) for members in best_fit_decreasing(lengths, block_size)]
     stats.blocks = len(blocks)
+    stats.padding = stats.blocks * block_size - stats.tokens
     return blocks, stats
+
+
+def fill_block(examples, block_size: int, pad_token_id: int) -> dict:
+    """One block (the four tensors of the module docstring) of (input_ids, labels) pairs, lists or
+    int arrays, whose lengths sum to at most block_size."""
+    input_ids = torch.full((block_size,), pad_token_id, dtype=torch.long)
+    labels = torch.full((block_size,), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros(block_size, dtype=torch.long)
+    seq_lens = torch.zeros(block_size, dtype=torch.long)
+    at = 0
+    for k, (ids, example_labels) in enumerate(examples):
+        n = len(ids)
+        input_ids[at:at + n] = _long(ids)
+        labels[at:at + n] = _long(example_labels)
+        labels[at] = IGNORE_INDEX  # nothing in this example predicts its first token
+        position_ids[at:at + n] = torch.arange(n)
+        seq_lens[k] = n
+        at += n
+    position_ids[at:] = torch.arange(block_size - at)  # the padding is a sequence of its own
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "seq_lens": seq_lens}
+
+
+def _long(values) -> torch.Tensor:
+    """Token ids (a list, or an int32 array that may be a read-only memory map) as int64."""
+    if isinstance(values, list):
+        return torch.tensor(values, dtype=torch.long)
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def unpacked(examples: list[dict], max_length: int, pad_token_id: int = 0, buckets: int | None = 4,
@@ -180,6 +200,106 @@ def unpacked(examples: list[dict], max_length: int, pad_token_id: int = 0, bucke
             for e in kept]
     stats.blocks = len(rows)
     return rows, PadToBuckets(pad_token_id, pad_to_multiple_of, buckets, max_length), stats
+
+
+# -- blocks and rows built when read, from memory-mapped examples ---------------------------------
+
+def first_learned(labels) -> int:
+    """The index (at least 1) of an example's first learned label, or its length when none is:
+    what `truncate` needs to know of an example to keep or drop it at any cut."""
+    learned = np.flatnonzero(np.asarray(labels[1:]) != IGNORE_INDEX)
+    return int(learned[0]) + 1 if len(learned) else len(labels)
+
+
+def truncate_ragged(labels: Ragged, learned_from: np.ndarray, select: np.ndarray,
+                    max_length: int) -> tuple[np.ndarray, np.ndarray, PackingStats]:
+    """`truncate` of the selected examples kept flat (token_store.Ragged): (the examples kept,
+    their lengths after the cut, the stats); `learned_from` is each example's `first_learned`."""
+    if not isinstance(max_length, int) or max_length < 1:
+        raise InputError(f"the block size or maximum length must be a whole number of at least 1, "
+                         f"got {max_length!r}")
+    select = np.asarray(select, dtype=np.int64)
+    lengths = np.diff(labels.offsets)[select]
+    cut = np.minimum(lengths, max_length)
+    stats = PackingStats(truncated=int(np.count_nonzero(lengths > max_length)))
+    for i in select[lengths > max_length].tolist():  # few: count what the cut leaves out
+        stats.labels_cut += int(np.count_nonzero(labels[i][max_length:] != IGNORE_INDEX))
+    keep = np.asarray(learned_from)[select] < cut
+    stats.nothing_to_learn = int(np.count_nonzero(~keep))
+    stats.examples = int(np.count_nonzero(keep))
+    stats.tokens = int(cut[keep].sum())
+    return select[keep], cut[keep], stats
+
+
+class PackedBlocks(torch.utils.data.Dataset):
+    """`pack`'s blocks, each built when it is read from the examples' token arrays (memory-mapped:
+    the ranks of a node share them); what is held is the packing plan, a few bytes an example."""
+
+    def __init__(self, ids: Ragged, labels: Ragged, members: Ragged, lengths: np.ndarray,
+                 block_size: int, pad_token_id: int) -> None:
+        self.ids, self.labels = ids, labels
+        self.members = members
+        """The examples (indices into ids and labels) of each block, in `pack`'s order."""
+        self.lengths = lengths
+        """Each member's length after the cut, aligned with members.values."""
+        self.block_size, self.pad_token_id = block_size, pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"block {index} of {len(self)}")
+        index %= len(self)
+        start, end = self.members.offsets[index], self.members.offsets[index + 1]
+        examples = [(self.ids[i][:n], self.labels[i][:n]) for i, n in
+                    zip(self.members.values[start:end].tolist(), self.lengths[start:end].tolist())]
+        return fill_block(examples, self.block_size, self.pad_token_id)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def pack_ragged(ids: Ragged, labels: Ragged, learned_from: np.ndarray, select: np.ndarray,
+                block_size: int, pad_token_id: int = 0) -> tuple[PackedBlocks, PackingStats]:
+    """`pack` of the selected examples kept flat: the same blocks, built when read."""
+    kept, cut, stats = truncate_ragged(labels, learned_from, select, block_size)
+    bins = best_fit_decreasing(cut.tolist(), block_size)
+    order = np.asarray([j for members in bins for j in members], dtype=np.int64)
+    offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(members) for members in bins], out=offsets[1:])
+    stats.blocks = len(bins)
+    stats.padding = stats.blocks * block_size - stats.tokens
+    members = Ragged(kept[order], offsets)
+    return PackedBlocks(ids, labels, members, cut[order], block_size, pad_token_id), stats
+
+
+class UnpackedRows(torch.utils.data.Dataset):
+    """`unpacked`'s rows, each built when it is read from the examples' token arrays."""
+
+    def __init__(self, ids: Ragged, labels: Ragged, kept: np.ndarray, lengths: np.ndarray) -> None:
+        self.ids, self.labels, self.kept, self.lengths = ids, labels, kept, lengths
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, index: int) -> dict:
+        i, n = int(self.kept[index]), int(self.lengths[index])
+        return {"input_ids": _long(self.ids[i][:n]), "labels": _long(self.labels[i][:n])}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def unpacked_ragged(ids: Ragged, labels: Ragged, learned_from: np.ndarray, select: np.ndarray,
+                    max_length: int, pad_token_id: int = 0, buckets: int | None = 4,
+                    pad_to_multiple_of: int | None = None):
+    """`unpacked` of the selected examples kept flat: the same rows, built when read, and the
+    collator."""
+    kept, cut, stats = truncate_ragged(labels, learned_from, select, max_length)
+    stats.blocks = len(kept)
+    return (UnpackedRows(ids, labels, kept, cut),
+            PadToBuckets(pad_token_id, pad_to_multiple_of, buckets, max_length), stats)
 
 
 def segment_ids(seq_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:

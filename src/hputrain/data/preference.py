@@ -24,11 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InputError
 from .batching import bucket_lengths
 from .sft import normalize_messages
+from .token_store import Ragged
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 """An encoded pair's token lists."""
@@ -210,3 +212,50 @@ class PairCollator:
 def pairs_in(batch) -> int:
     """The pairs in a PairCollator batch (on the host: its shape, no device read)."""
     return int(batch["input_ids"].shape[0]) // 2
+
+
+# -- pairs kept flat: made once per node, memory-mapped -------------------------------------------
+
+class EncodedPairs:
+    """Encoded pairs kept as three flat int32 arrays (token_store.Ragged, memory-mapped when read
+    from a cache): a sequence whose items are the dicts `encode_pairs` makes, built when read.
+    `index` picks which pairs, in order (a split held out for validation)."""
+
+    def __init__(self, columns: dict[str, Ragged], index: np.ndarray | None = None) -> None:
+        self.columns = columns
+        """PAIR_KEYS -> Ragged."""
+        self.index = np.arange(len(columns[PAIR_KEYS[0]])) if index is None else index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        pair = int(self.index[i])
+        return {key: self.columns[key][pair].tolist() for key in PAIR_KEYS}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def take(self, start: int, stop: int) -> EncodedPairs:
+        """Pairs start to stop (exclusive), as a view."""
+        return EncodedPairs(self.columns, self.index[start:stop])
+
+    @classmethod
+    def of(cls, pairs: list[dict]) -> EncodedPairs:
+        return cls({key: Ragged.of([p[key] for p in pairs]) for key in PAIR_KEYS})
+
+    @classmethod
+    def join(cls, parts: list[EncodedPairs]) -> EncodedPairs:
+        """The pairs of every part (whole, not views), in order."""
+        return cls({key: Ragged.join([p.columns[key] for p in parts]) for key in PAIR_KEYS})
+
+
+def encode_part(context, rows: list) -> tuple[EncodedPairs, PairStats]:
+    """`encode_pairs` of some (where, row), kept flat: the work of one tokenizing process;
+    `context` is (tokenizer, max_length, max_prompt_length)."""
+    tokenizer, max_length, max_prompt_length = context
+    pairs, stats = encode_pairs(rows, tokenizer, max_length=max_length,
+                                max_prompt_length=max_prompt_length)
+    return EncodedPairs.of(pairs), stats

@@ -16,6 +16,9 @@ micro-batch holds; the loader only carries that decision out ahead of the step:
   itself among workers (a Hugging Face IterableDataset does) would hand them different parts,
   so the order of a run without workers could not be kept: one worker it is, whatever
   num_workers says.
+- a data set that reads its own shards (data/streaming.py): one worker per pass over them, from
+  the data set's position, sending each micro-batch with the position after it (MicroBatches
+  keeps those for the checkpoint, and ends the pass when the ranks agree to).
 
 Workers are forked where the platform can fork (Linux), so the dataset and the collator are
 inherited, not pickled; elsewhere (macOS, Windows) they are started by spawn and receive both
@@ -84,6 +87,31 @@ class _Stream(IterableDataset):
             yield _Failed(error)
 
 
+class _LocalPass(IterableDataset):
+    """One pass of a rank-local stream (MicroBatches.pass_batches), for one worker: each item is
+    (micro-batch, the stream's position after it), so the training process knows the position of
+    what it trains on, however far ahead the worker reads."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        try:
+            yield from self.batches.pass_batches()
+        except InputError as error:
+            yield _Failed(error)
+
+
+def local_pass(batches):
+    """(micro-batch, position) pairs of one pass of a rank-local stream (a data set that reads its
+    own shards), read ahead by one worker that starts from the data set's current position."""
+    loader = _loader(batches, _LocalPass(batches), None, 1)
+    for item in loader:
+        if isinstance(item, _Failed):
+            raise item.error
+        yield item
+
+
 def _as_is(batch):
     """The loader's collate_fn: the workers' items are already batches."""
     return batch
@@ -91,27 +119,31 @@ def _as_is(batch):
 
 def in_workers(batches, start_step: int = 0, epochs: int | None = None):
     """The micro-batches of `batches` (a MicroBatches) from `start_step` on, loaded by workers."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    options = batches.loading
     if batches.num_samples is None:
         dataset, sampler, workers = _Stream(batches, start_step, epochs), None, 1
     else:
         dataset = _CollatedLists(batches.dataset, batches.collate)
-        sampler, workers = _IndexLists(batches, start_step, epochs), options.num_workers
+        sampler, workers = _IndexLists(batches, start_step, epochs), batches.loading.num_workers
+    for batch in _loader(batches, dataset, sampler, workers):
+        if isinstance(batch, _Failed):
+            raise batch.error
+        yield batch
+
+
+def _loader(batches, dataset, sampler, workers: int):
+    """The loader of `dataset`'s items, already batches, as `batches.loading` asks."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    options = batches.loading
     # A generator of our own: the loader draws the workers' base seed from it, which would
     # otherwise come from (and move) the training process's global RNG.
     generator = torch.Generator().manual_seed(batches.seed + WORKER_SEED_OFFSET)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch's deprecated set_vital: not ours
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        loader = StatefulDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
-                                    collate_fn=_as_is, pin_memory=options.pin_memory,
-                                    prefetch_factor=options.prefetch_factor, generator=generator,
-                                    multiprocessing_context=_start_method())
-    for batch in loader:
-        if isinstance(batch, _Failed):
-            raise batch.error
-        yield batch
+        return StatefulDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
+                                  collate_fn=_as_is, pin_memory=options.pin_memory,
+                                  prefetch_factor=options.prefetch_factor, generator=generator,
+                                  multiprocessing_context=_start_method())
 
 
 def _start_method():

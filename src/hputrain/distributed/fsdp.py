@@ -9,7 +9,12 @@ block (blocks.py) and one on the root, over the mesh's data-parallel dimensions.
 - bf16: FSDP2's MixedPrecisionPolicy, bf16 parameters for compute and fp32 gradient reduction,
   the fp32 shards staying the master weights the optimizer updates; autocast runs on top.
 - A model whose parameters are on the meta device (or any model with fsdp_init_on_meta=True) is
-  sharded first and materialised afterwards, one module at a time (see `materialise`).
+  sharded first and materialised afterwards, one module at a time (see `materialise`). Its
+  tensors that are already real (buffers computed in __init__, such as rotary frequencies;
+  adapters PEFT drew) keep their values. A model that carries a *weight source*
+  (`set_weight_source`: the recipe's explicit word on where its weights come from, e.g.
+  checkpoint/hf_weights.py's FolderWeights) has its shards filled by it, each rank its own;
+  what the source does not fill is drawn by replaying the modules' initialisation.
 
 The gradients are DTensors sharded over the mesh: the trainer's clipping takes their global norm.
 """
@@ -54,20 +59,25 @@ class FSDP(Strategy):
 
     def wrap(self, model):
         meta = self.init_on_meta or on_meta(model)
-        if self.init_on_meta:  # drop the eager weights: they are drawn again below, shard by shard
+        if self.init_on_meta and not on_meta(model):  # drop the eager weights: drawn again below
             move_to_device(model, torch.device("meta"))
         if self.group.distributed:
             self._shard(model)
         if meta:
-            materialise(model, self.device, self.seed)
+            materialise(model, self.device, self.seed, weight_source(model))
         return model
 
     def place_frozen(self, model, device):
         """Sharded like the trained model (its forward gathers each block in turn), from the
-        weights it has: never drawn again on the meta device as fsdp_init_on_meta does."""
-        model = move_to_device(model, device)
+        weights it has, or on the meta device, from its weight source: never drawn again as
+        fsdp_init_on_meta does."""
+        meta = on_meta(model)
+        if not meta:
+            model = move_to_device(model, device)
         if self.group.distributed:
             self._shard(model)
+        if meta:
+            materialise(model, device, self.seed, weight_source(model))
         return model
 
     def _shard(self, model: nn.Module) -> None:
@@ -138,19 +148,49 @@ def on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+WEIGHT_SOURCE = "hputrain_weight_source"
+"""The attribute under which a meta-device model carries its weight source (set_weight_source)."""
+
+
+def set_weight_source(model: nn.Module, source) -> nn.Module:
+    """Say where the weights of `model`, built on the meta device, come from: `source.fill(model)`
+    is called once the model is sharded and has storage, writes this rank's part of each
+    parameter it knows (by name: wrappers' name parts are the source's to ignore) and returns
+    their names. It travels with the model (a PEFT wrapper forwards the attribute; a deep copy,
+    DPO's reference, keeps it), as `init_steps` does for the built-in GPT."""
+    setattr(model, WEIGHT_SOURCE, source)
+    return model
+
+
+def weight_source(model: nn.Module):
+    """The weight source `model` carries, or None (its weights are drawn by `materialise`)."""
+    return getattr(model, WEIGHT_SOURCE, None)
+
+
 # -- meta-device initialisation ----------------------------------------------------------------------
 
-def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialise(model: nn.Module, device: torch.device, seed: int, weights=None) -> None:
     """Give a (sharded) meta model storage on `device` and the weights an eager build draws after
     torch.manual_seed(seed), holding one module's full weights at a time.
 
-    The eager draws are replayed in their order: each module's own `reset_parameters` in module
-    order (what its constructor drew), then the model's `init_steps()` when it has them (the
-    built-in GPT's re-initialisation). Each step runs on full CPU tensors of that module's
-    parameters, made with the CPU generator exactly as eagerly; each rank keeps its shard."""
+    Tensors already real keep their values (buffers computed in __init__, adapters drawn on
+    the CPU). `weights`, a weight source (set_weight_source), fills the parameters it knows,
+    each rank its own part. The rest are drawn: the eager draws replayed in their order, each
+    module's own `reset_parameters` in module order (what its constructor drew), then the
+    model's `init_steps()` when it has them (the built-in GPT's re-initialisation). Each step
+    runs on full CPU tensors of that module's parameters, made with the CPU generator exactly
+    as eagerly; each rank keeps its shard."""
+    # detached: to_empty may swap a parameter's .data in place, and these must keep the values
+    kept = {name: _local(tensor).detach() for name, tensor in _named_tensors(model) if not tensor.is_meta}
     _to_empty(model, device)
+    with torch.no_grad():
+        for name, local in kept.items():
+            _local(_tensor_of(model, name)).copy_(local)
+    done = [*kept, *(weights.fill(model) if weights is not None else [])]
+    done_ids = {id(_tensor_of(model, name)) for name in done}
     steps = [(m, type(m).reset_parameters) for m in model.modules()
-             if callable(getattr(m, "reset_parameters", None)) and _own_parameters(m)]
+             if callable(getattr(m, "reset_parameters", None)) and _own_parameters(m)
+             and not all(id(p) in done_ids for p in _own_parameters(m).values())]
     steps += list(getattr(model, "init_steps", lambda: [])())
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
@@ -172,6 +212,16 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
         for name in others:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+
+
+def _named_tensors(model: nn.Module):
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
 
 
 def _own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:

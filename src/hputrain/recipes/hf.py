@@ -159,13 +159,16 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+    from .hf_sharded import loads_sharded
+
+    sharded = loads_sharded(training_args)  # fsdp across processes: no rank holds the model whole
     model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
-                                  trainable=True)
+                                  trainable=True, sharded=sharded)
     dpo = data_kind(options) == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
                   if dpo and options.ref_model else None)
     ref_model = (load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
-                            merge=True)[0] if ref_folder is not None else None)
+                            merge=True, sharded=sharded)[0] if ref_folder is not None else None)
     if dpo and ref_model is None and not options.lora_r:  # the starting weights, frozen
         ref_model = copy.deepcopy(model)
     if options.lora_r and not is_adapter_folder(folder):
@@ -313,31 +316,44 @@ def model_folder(name: str, *, flag: str = "--model", base_model: str | None = N
 
 
 def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | None = None,
-               trainable: bool = False, merge: bool = False, flag: str = "--model"):
+               trainable: bool = False, merge: bool = False, flag: str = "--model",
+               sharded: bool = False):
     """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
-    precision plugin casts per op, and the optimizer keeps full-precision weights.
+    precision plugin casts per op, and the optimizer keeps full-precision weights. `sharded`
+    (fsdp across processes): the model's parameters stay on the meta device, and each rank
+    reads its own shards once fsdp has cut them (hf_sharded.py); not for a base whose adapters
+    are merged into it, nor for --from-scratch (drawn as before).
 
     An adapter folder (hf_adapters.py) is its base model with its adapters loaded by PEFT:
     trainable ones with `trainable` (training continues on them), merged into the weights with
     `merge` (a frozen reference needs no adapters), else frozen; the tokenizer is the folder's
     own when it has one."""
     if not is_adapter_folder(folder):
-        return _load_folder(folder, from_scratch, flag)
+        return _load_folder(folder, from_scratch, flag, sharded)
     base = adapter_base(folder, base_model, flag)
-    model, tokenizer = _load_folder(base, False, flag)
+    model, tokenizer = _load_folder(base, False, flag, sharded and not merge)
     if tokenizer_folder(folder, base) == folder:
         tokenizer = _load_tokenizer(folder, flag)
-    model = load_adapter(model, folder, trainable=trainable, flag=flag)
+    from .hf_sharded import load_adapter_values, on_meta
+
+    meta = on_meta(model)
+    with warnings.catch_warnings():  # onto a meta base, PEFT's copy is a no-op, redone below
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        model = load_adapter(model, folder, trainable=trainable, flag=flag)
+    if meta:
+        load_adapter_values(model, folder)
     return (model.merge_and_unload() if merge else model), tokenizer
 
 
-def _load_folder(folder: Path, from_scratch: bool, flag: str):
+def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = False):
     """(model, tokenizer) of a model folder (see load_model). Loaded from its absolute path, the
     model's name_or_path, which PEFT writes into adapter_config.json as the base, holds from any
     working directory."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
     import torch
     import transformers
+
+    from .hf_sharded import meta_model
 
     transformers.utils.logging.disable_progress_bar()  # the run prints its own progress
     try:
@@ -347,6 +363,8 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str):
     tokenizer = _load_tokenizer(folder, flag)
     auto = transformers.AutoModelForCausalLM
     try:
+        if sharded and not from_scratch and (model := meta_model(folder, config, flag)) is not None:
+            return model, tokenizer
         if from_scratch:
             model = auto.from_config(config, dtype=torch.float32)
         else:
@@ -370,6 +388,10 @@ def _load_tokenizer(folder: Path, flag: str):
 
 def add_lora(model, options: HFOptions):
     """`model` wrapped by peft with LoRA adapters: only the adapters will require grad."""
+    import torch
+
+    from .hf_sharded import draw_adapters, on_meta
+
     try:
         import peft
     except ImportError:
@@ -384,13 +406,17 @@ def add_lora(model, options: HFOptions):
                              lora_alpha=options.lora_alpha or 2 * options.lora_r,
                              lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
                              target_modules=targets)
+    rng_state = torch.random.get_rng_state()  # what the adapters are drawn from
     try:
         with warnings.catch_warnings():  # PEFT reads a name transformers 5 deprecates: not the user's
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:
         raise InputError(f"LoRA cannot wrap {type(model).__name__}: {_first_line(exc)} (name its "
                          "layers with --lora-target-modules)") from None
+    if on_meta(model):  # fsdp's sharded loading: the adapters are drawn on the CPU (hf_sharded.py)
+        draw_adapters(wrapped, rng_state)
+    return wrapped
 
 
 def _check_targets(model, targets: list[str]) -> None:

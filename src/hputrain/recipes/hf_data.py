@@ -11,10 +11,12 @@ Validation, as run_clm does it: a DatasetDict (save_to_disk) with a "validation"
 evaluated on that split, packed the same way by itself; any other data set holds out the last
 `validation_percentage` percent of its blocks.
 
-The blocks are cached in one .npy file per split whose name is a hash of what decides them (the
-data set's files with their sizes and modification times, the split, the tokenizer's files, the
-block size, the text field), so a second run with the same inputs reads them back instead of
-tokenizing again.
+The blocks are cached in one int32 .npy file per split whose name is a hash of what decides them
+(the data set's files with their sizes and modification times, the split, the tokenizer's files,
+the block size, the text field), so a second run with the same inputs reads them back instead of
+tokenizing again. The first process of a node to need them tokenizes (in --dataset-num-proc
+processes) while the others wait on the cache's lock (data/token_store.py), and every rank reads
+the file memory-mapped: one copy of the tokens per node, in the page cache.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data import token_store
 from ..data.batching import walk_sorted
 from ..errors import InputError
 from ..files import NotARegularFile, read_regular_file
@@ -73,10 +76,13 @@ class Blocks:
 
 def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "text",
                 validation_percentage: float = 5, cache_dir: str | Path,
-                tokenizer_folder: str | Path | None = None) -> Blocks:
+                tokenizer_folder: str | Path | None = None, workers: int | None = None) -> Blocks:
     """The data set at `path` as training and validation blocks: a DatasetDict's own
     "validation" split, else the last `validation_percentage` percent of the blocks (at least
-    one). A percentage of 0 means no validation blocks either way."""
+    one). A percentage of 0 means no validation blocks either way. The first process of the
+    node to get here tokenizes, in `workers` processes (default: one per core, at most 8); the
+    others wait for its cache and read it (token_store.made_once)."""
+    workers = token_store.check_workers(workers)
     source = Path(path)
     kind, files = _source(source)
     own = (kind == "saved" and validation_percentage > 0
@@ -86,13 +92,14 @@ def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "te
         key = cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column,
                          split if kind == "saved" else None)
         cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
-        blocks = _read_cache(cache_file, block_size)
-        if blocks is not None:
-            return blocks, cache_file, True
-        ids = token_ids(_documents(kind, source, files, text_column, split), tokenizer)
-        blocks = pack(ids, block_size, where)
-        _write_cache(cache_file, blocks)
-        return blocks, cache_file, False
+
+        def make() -> np.ndarray:
+            documents = _documents(kind, source, files, text_column, split)
+            return pack(token_ids(documents, tokenizer, workers), block_size, where)
+
+        blocks, cached = token_store.made_once(cache_file, lambda f: _read_cache(f, block_size),
+                                               make, _write_cache)
+        return blocks, cache_file, cached
 
     blocks, cache_file, from_cache = blocks_of(TRAIN_SPLIT, path)
     if own:
@@ -104,30 +111,30 @@ def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "te
                   cache_file, from_cache)
 
 
-def token_ids(documents, tokenizer) -> np.ndarray:
-    """Every document's tokens followed by eos (when the tokenizer has one), in one array."""
-    eos = tokenizer.eos_token_id
-    out: list[np.ndarray] = []
-    pieces: list[str] = []
-    ends: list[bool] = []  # whether pieces[i] is the last piece of its document
-
-    def flush() -> None:
-        encoded = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
-        for ids, last in zip(encoded, ends):
-            out.append(np.asarray(ids + ([eos] if last and eos is not None else []), dtype=np.int32))
-        pieces.clear()
-        ends.clear()
-
-    for document in documents:
-        document_pieces = list(_pieces(document))
-        for i, piece in enumerate(document_pieces):
-            pieces.append(piece)
-            ends.append(i == len(document_pieces) - 1)
-        if len(pieces) >= BATCH_PIECES:
-            flush()
-    if pieces:
-        flush()
+def token_ids(documents, tokenizer, workers: int = 1) -> np.ndarray:
+    """Every document's tokens followed by eos (when the tokenizer has one), in one array;
+    tokenized in `workers` processes, BATCH_PIECES pieces at a time, joined in order."""
+    parts = token_store.chunks(_marked_pieces(documents), BATCH_PIECES)
+    out = list(token_store.ordered_map(_encode_pieces, tokenizer, parts, workers))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
+
+
+def _marked_pieces(documents) -> Iterator[tuple[str, bool]]:
+    """(piece, whether it is its document's last) for every piece of every document: a long
+    document is split across workers too."""
+    for document in documents:
+        pieces = list(_pieces(document))
+        for i, piece in enumerate(pieces):
+            yield piece, i == len(pieces) - 1
+
+
+def _encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> np.ndarray:
+    """The tokens of (piece, whether it ends its document) pairs, eos after each document's last."""
+    eos = tokenizer.eos_token_id
+    encoded = tokenizer([piece for piece, _ in pieces], add_special_tokens=False,
+                        verbose=False)["input_ids"]
+    return np.concatenate([np.asarray(ids + ([eos] if last and eos is not None else []),
+                                      dtype=np.int32) for ids, (_, last) in zip(encoded, pieces)])
 
 
 def pack(ids: np.ndarray, block_size: int, path: str) -> np.ndarray:

@@ -4,18 +4,27 @@ Face model on rows of prompt, chosen and rejected (training/dpo.py, data/prefere
 The reference, cheapest first: `--precompute-ref-log-probs` (one pass before training, cached),
 the adapter-disabled base under `--lora-r`, `--ref-model DIR`, else a frozen copy of the starting
 weights. Validation: the data set's own "validation" split, else the last
---validation-split-percentage of the pairs. The output is what `hputrain train` writes for SFT:
+--validation-split-percentage of the pairs. The encoded pairs are made once per node (by
+--dataset-num-proc processes) and cached as memory-mapped int32 arrays in output_dir/.cache (or
+--cache-dir), as SFT's examples are. The output is what `hputrain train` writes for SFT:
 final/ with the tokenizer, or the PEFT adapter.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
+import numpy as np
+
 from ..config.preference import DPO_DEFAULTS, DPOConfig, preference_values
-from ..data.preference import PairStats, encode_pairs, pair_shape
+from ..data import token_store
+from ..data.preference import PAIR_KEYS, EncodedPairs, PairStats, encode_part, pair_shape
+from ..data.token_store import Ragged
 from ..errors import InputError
 from . import hf_data
+
+CACHE_VERSION = 1
 
 SHAPES = {"prompt_chosen_rejected": "DPO on preference pairs ('prompt', 'chosen', 'rejected')",
           "implicit_prompt": "DPO on preference pairs ('chosen', 'rejected', the shared start as "
@@ -31,7 +40,9 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
     from .hf_sft import use_chat_template
 
     use_chat_template(tokenizer, options.chat_template)
-    train, validation, stats = load_pairs(options, tokenizer, block_size)
+    train, validation, stats = load_pairs(
+        options, tokenizer, block_size, tokenizer_folder=folder,
+        cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache")
     if ref_folder is not None:
         reference, ref_key = f"--ref-model {ref_folder}", _identity(ref_folder)
     elif ref_model is None:
@@ -62,13 +73,16 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
     return status or 0
 
 
-def load_pairs(options, tokenizer, block_size: int):
-    """(training pairs, validation pairs or None, PairStats of every split)."""
-    encode = {"max_length": block_size, "max_prompt_length": options.max_prompt_length}
+def load_pairs(options, tokenizer, block_size: int, *, cache_dir: str | Path | None = None,
+               tokenizer_folder: str | Path | None = None):
+    """(training pairs, validation pairs or None, PairStats of every split): EncodedPairs,
+    memory-mapped from a cache in `cache_dir` made once per node (token_store.made_once), or
+    held in memory when there is no cache_dir."""
     path, percentage = options.dataset, options.validation_split_percentage
-    pairs, stats = encode_pairs(hf_data.records(path), tokenizer, **encode)
+    read = (options, tokenizer, block_size, cache_dir, tokenizer_folder)
+    pairs, stats = _encoded_pairs(*read, hf_data.TRAIN_SPLIT)
     if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
-        held, more = encode_pairs(hf_data.records(path, hf_data.VALIDATION_SPLIT), tokenizer, **encode)
+        held, more = _encoded_pairs(*read, hf_data.VALIDATION_SPLIT)
         stats = PairStats(*(getattr(stats, f.name) + getattr(more, f.name)
                             for f in dataclasses.fields(PairStats)))
     elif percentage > 0:
@@ -77,13 +91,60 @@ def load_pairs(options, tokenizer, block_size: int):
             raise InputError(f"--dataset {path} has {len(pairs)} pair(s), too few to hold "
                              f"{percentage:g}% out for validation: give more rows, or "
                              "--validation-split-percentage 0")
-        pairs, held = pairs[:-count], pairs[-count:]
+        pairs, held = pairs.take(0, len(pairs) - count), pairs.take(len(pairs) - count, len(pairs))
     else:
         held = None
-    if not pairs:
+    if not len(pairs):
         raise InputError(f"--dataset {path}: no pair is left to train on (every prompt fills "
                          f"--block-size {block_size})")
-    return pairs, held or None, stats
+    return pairs, held if held is not None and len(held) else None, stats
+
+
+PAIR_ARRAYS = tuple(name for key in PAIR_KEYS for name in (key, f"{key}.offsets")) + ("stats",)
+
+
+def _encoded_pairs(options, tokenizer, block_size: int, cache_dir, tokenizer_folder, split: str):
+    """(EncodedPairs, PairStats) of one split, encoded by --dataset-num-proc processes."""
+    path = options.dataset
+    workers = token_store.check_workers(getattr(options, "dataset_num_proc", None))
+    context = (tokenizer, block_size, options.max_prompt_length)
+
+    def make():
+        parts = list(token_store.ordered_map(
+            encode_part, context, token_store.chunks(hf_data.records(path, split), 256), workers))
+        stats = PairStats(*(sum(getattr(s, f.name) for _, s in parts)
+                            for f in dataclasses.fields(PairStats)))
+        return EncodedPairs.join([p for p, _ in parts]), stats
+
+    if cache_dir is None:
+        return make()
+    kind, files = hf_data.source_files(path)
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else repr(template)
+    extra = [CACHE_VERSION, "dpo", options.max_prompt_length, hashlib.sha256(template.encode()).hexdigest()]
+    key = hf_data.cache_key(kind, Path(path), files, tokenizer, tokenizer_folder, block_size, "dpo",
+                            split if kind == "saved" else None, extra)
+    made, _ = token_store.made_once(Path(cache_dir) / f"dpo-{key[:24]}", _read_pairs, make,
+                                    _write_pairs)
+    return made
+
+
+def _read_pairs(folder: Path):
+    arrays = token_store.read_arrays(folder, PAIR_ARRAYS)
+    if arrays is None or arrays["stats"].shape != (len(dataclasses.fields(PairStats)),):
+        return None
+    columns = {key: Ragged.read(arrays, key) for key in PAIR_KEYS}
+    if len({len(c) for c in columns.values()}) != 1 or any(
+            c.offsets[-1] != len(c.values) for c in columns.values()):
+        return None
+    return EncodedPairs(columns), PairStats(*map(int, arrays["stats"]))
+
+
+def _write_pairs(folder: Path, made) -> None:
+    pairs, stats = made
+    arrays = {name: array for key in PAIR_KEYS for name, array in pairs.columns[key].arrays(key).items()}
+    stats = [getattr(stats, f.name) for f in dataclasses.fields(PairStats)]
+    token_store.write_arrays(folder, {**arrays, "stats": np.asarray(stats, dtype=np.int64)})
 
 
 def _identity(folder: Path) -> str:

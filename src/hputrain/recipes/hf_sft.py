@@ -10,25 +10,28 @@ plain text (a file or a folder of them).
 Validation: a save_to_disk DatasetDict's own "validation" split, else the last
 validation_percentage percent of the examples (at least one), held out before packing so that no
 example is in both. The encoded examples (not the blocks: packing them is quick) are cached in
-one .npz file per split, keyed by the data files, the tokenizer's files, the chat template's text
-and the loss flags.
+one folder per split (data/token_store.py), keyed by the data files, the tokenizer's files, the
+chat template's text and the loss flags: int32 token ids and labels with the examples' offsets,
+made once per node by --dataset-num-proc processes and memory-mapped by every rank. The blocks
+hold only the packing plan and are built when read, so the ranks of a node share one copy of the
+tokens in the page cache.
 """
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..data import packing, sft
+from ..data import packing, sft, token_store
 from ..data.chat import ChatTemplate
+from ..data.token_store import Ragged
 from ..errors import InputError
 from . import hf_data
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a folder of memory-mapped .npy files, no longer one .npz
 METHODS = {"text": "causal LM on packed text",
            "messages": "SFT on conversations ('messages')",
            "conversations": "SFT on ShareGPT conversations ('conversations')",
@@ -57,9 +60,10 @@ def data_method(path: str, text_column: str = "text") -> str:
 class SFTData:
     fmt: str
     """The row shape (sft.FORMATS)."""
-    train: list[dict]
-    """Packed blocks (input_ids, labels, position_ids, seq_lens), or one example a row."""
-    validation: list[dict] | None
+    train: packing.PackedBlocks | packing.UnpackedRows
+    """Packed blocks (input_ids, labels, position_ids, seq_lens), or one example a row, built
+    when read from the memory-mapped cache."""
+    validation: packing.PackedBlocks | packing.UnpackedRows | None
     collator: object | None
     """The collator of unpacked rows (length buckets); None for packed blocks."""
     rows: sft.SFTStats
@@ -67,51 +71,61 @@ class SFTData:
     packed: packing.PackingStats
     """What packing (or cutting) did to the examples (every split)."""
     cache_file: Path
+    """The cache folder of the training split."""
     from_cache: bool
     own_validation: bool = False
 
 
 def load_sft(path: str, fmt: str, tokenizer, block_size: int, options, *, cache_dir: str | Path,
              tokenizer_folder: str | Path | None = None) -> SFTData:
-    """The SFT data set at `path` as training and validation blocks (or rows). `options` is the
-    recipe's HFOptions (packing, assistant_only_loss, completion_only_loss,
-    validation_split_percentage)."""
+    """The SFT data set at `path` as training and validation blocks (or rows), built when read
+    from the memory-mapped cache. `options` is the recipe's HFOptions (packing,
+    assistant_only_loss, completion_only_loss, validation_split_percentage, dataset_num_proc)."""
     percentage = options.validation_split_percentage
     own = percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path)
     train, rows, cache_file, from_cache = encoded(path, fmt, tokenizer, options, cache_dir,
                                                   tokenizer_folder, hf_data.TRAIN_SPLIT)
     if own:
-        held_out, more, _, cached = encoded(path, fmt, tokenizer, options, cache_dir, tokenizer_folder,
-                                            hf_data.VALIDATION_SPLIT)
+        held, more, _, cached = encoded(path, fmt, tokenizer, options, cache_dir, tokenizer_folder,
+                                        hf_data.VALIDATION_SPLIT)
         rows, from_cache = _add(rows, more), from_cache and cached
+        train_part, held_part = np.arange(len(train)), np.arange(len(held))
     else:
-        train, held_out = _hold_out(train, percentage, path)
+        held = train
+        train_part, held_part = _hold_out(len(train), percentage, path)
     pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
-    if options.packing:
-        blocks, stats = packing.pack(train, block_size, pad)
-        more = packing.pack(held_out, block_size, pad) if held_out else ([], packing.PackingStats())
-        collator = None
-    else:
-        blocks, collator, stats = packing.unpacked(train, block_size, pad)
-        more = packing.unpacked(held_out, block_size, pad)[::2] if held_out else ([], packing.PackingStats())
-    if not blocks:
+    blocks, collator, stats = _arrange(train, train_part, block_size, pad, options.packing)
+    if not len(blocks):
         raise InputError(f"--dataset {path}: no example is left to train on (every one has nothing "
                          "to learn within --block-size tokens)")
+    validation, more = None, packing.PackingStats()
+    if len(held_part):
+        validation, _, more = _arrange(held, held_part, block_size, pad, options.packing)
     for name in ("examples", "blocks", "truncated", "labels_cut", "nothing_to_learn", "tokens", "padding"):
-        setattr(stats, name, getattr(stats, name) + getattr(more[1], name))
-    return SFTData(fmt, blocks, more[0] or None, collator, rows, stats, cache_file, from_cache,
-                   own_validation=own)
+        setattr(stats, name, getattr(stats, name) + getattr(more, name))
+    return SFTData(fmt, blocks, validation if validation is not None and len(validation) else None,
+                   collator, rows, stats, cache_file, from_cache, own_validation=own)
 
 
-def _hold_out(examples: list[dict], percentage: float, path: str):
+def _arrange(examples: Examples, select: np.ndarray, block_size: int, pad: int, packed: bool):
+    """(blocks or rows of the selected examples, the collator of rows or None, PackingStats)."""
+    flat = (examples.ids, examples.labels, examples.learned_from, select, block_size, pad)
+    if packed:
+        blocks, stats = packing.pack_ragged(*flat)
+        return blocks, None, stats
+    return packing.unpacked_ragged(*flat)
+
+
+def _hold_out(count: int, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the examples trained on, those held out): the last `percentage` percent, at least one."""
     if percentage <= 0:
-        return examples, []
-    held_out = max(1, int(len(examples) * percentage / 100))
-    if held_out >= len(examples):
-        raise InputError(f"--dataset {path} has {len(examples)} example(s), too few to hold "
+        return np.arange(count), np.arange(0)
+    held_out = max(1, int(count * percentage / 100))
+    if held_out >= count:
+        raise InputError(f"--dataset {path} has {count} example(s), too few to hold "
                          f"{percentage:g}% out for validation: give more rows, or "
                          "--validation-split-percentage 0")
-    return examples[:-held_out], examples[-held_out:]
+    return np.arange(count - held_out), np.arange(count - held_out, count)
 
 
 def _add(a: sft.SFTStats, b: sft.SFTStats) -> sft.SFTStats:
@@ -120,8 +134,26 @@ def _add(a: sft.SFTStats, b: sft.SFTStats) -> sft.SFTStats:
 
 # -- encoding --------------------------------------------------------------------------------------
 
+ROWS_PER_PART = 256
+"""Rows a tokenizing process takes at a time."""
+
+
+@dataclass
+class Examples:
+    """The encoded examples of one split, flat (memory-mapped when read from the cache)."""
+
+    ids: Ragged
+    labels: Ragged
+    learned_from: np.ndarray
+    """Each example's first learned position (packing.first_learned): decides what a cut drops."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 def encoded(path: str, fmt: str, tokenizer, options, cache_dir, tokenizer_folder, split: str):
-    """(examples, SFTStats, cache file, whether read from it) of one split."""
+    """(Examples, SFTStats, cache folder, whether read from it) of one split: made by the first
+    process of the node to get here, read by the others (token_store.made_once)."""
     kind, files = hf_data.source_files(path)
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else repr(template)  # a dict of named ones
@@ -129,36 +161,52 @@ def encoded(path: str, fmt: str, tokenizer, options, cache_dir, tokenizer_folder
              hashlib.sha256(template.encode()).hexdigest()]
     key = hf_data.cache_key(kind, Path(path), files, tokenizer, tokenizer_folder, 0, fmt,
                             split if kind == "saved" else None, extra)
-    cache_file = Path(cache_dir) / f"sft-{key[:24]}.npz"
-    cached = _read_cache(cache_file)
-    if cached is not None:
-        return (*cached, cache_file, True)
-    examples, stats = encode(path, fmt, tokenizer, options, split)
-    _write_cache(cache_file, examples, stats)
-    return examples, stats, cache_file, False
+    cache = Path(cache_dir) / f"sft-{key[:24]}"
+    workers = token_store.check_workers(getattr(options, "dataset_num_proc", None))
+    (examples, stats), cached = token_store.made_once(
+        cache, _read_cache, lambda: encode(path, fmt, tokenizer, options, split, workers), _write_cache)
+    return examples, stats, cache, cached
 
 
-def encode(path: str, fmt: str, tokenizer, options, split: str = hf_data.TRAIN_SPLIT):
-    """Every row of the split as {"input_ids", "labels"} (sft.encode_row), each error naming its
-    row by file line (or save_to_disk row); rows with nothing to learn counted and left out."""
-    rows = list(hf_data.records(path, split))
-    chat = None
-    if fmt != "prompt_completion" or (rows and not isinstance(rows[0][1].get("prompt"), str)):
-        chat = chat_template(tokenizer, fmt)
-    stats, examples = sft.SFTStats(), []
-    for where, row in rows:
-        stats.rows += 1
-        example = sft.encode_row(row, fmt, tokenizer, chat, where=f"--dataset {where}",
-                                 assistant_only_loss=options.assistant_only_loss,
-                                 completion_only_loss=options.completion_only_loss)
-        if example is None:
-            stats.nothing_to_learn += 1
-        else:
-            examples.append(example)
-    stats.examples = len(examples)
-    if not rows:
+def encode(path: str, fmt: str, tokenizer, options, split: str = hf_data.TRAIN_SPLIT,
+           workers: int = 1) -> tuple[Examples, sft.SFTStats]:
+    """Every row of the split encoded (sft.encode_row), in `workers` processes, in row order; each
+    error names its row by file line (or save_to_disk row); rows with nothing to learn counted
+    and left out."""
+    rows = hf_data.records(path, split)
+    first = next(rows, None)
+    if first is None:
         raise InputError(f"--dataset {path} holds no rows")
+    chat = None
+    if fmt != "prompt_completion" or not isinstance(first[1].get("prompt"), str):
+        chat = chat_template(tokenizer, fmt)
+    context = (fmt, tokenizer, chat, options.assistant_only_loss, options.completion_only_loss)
+    parts = list(token_store.ordered_map(_encode_part, context,
+                                         token_store.chunks(itertools.chain([first], rows),
+                                                            ROWS_PER_PART), workers))
+    stats = sft.SFTStats(sum(p[3] for p in parts), 0, sum(p[4] for p in parts))
+    examples = Examples(Ragged.join([p[0] for p in parts]), Ragged.join([p[1] for p in parts]),
+                        np.concatenate([p[2] for p in parts]).astype(np.int32))
+    stats.examples = len(examples)
     return examples, stats
+
+
+def _encode_part(context, rows: list) -> tuple:
+    """(ids, labels, learned_from, rows, rows with nothing to learn) of some rows: the work of
+    one tokenizing process."""
+    fmt, tokenizer, chat, assistant_only_loss, completion_only_loss = context
+    kept, skipped = [], 0
+    for where, row in rows:
+        example = sft.encode_row(row, fmt, tokenizer, chat, where=f"--dataset {where}",
+                                 assistant_only_loss=assistant_only_loss,
+                                 completion_only_loss=completion_only_loss)
+        if example is None:
+            skipped += 1
+        else:
+            kept.append(example)
+    return (Ragged.of([e["input_ids"] for e in kept]), Ragged.of([e["labels"] for e in kept]),
+            np.asarray([packing.first_learned(e["labels"]) for e in kept], dtype=np.int32),
+            len(rows), skipped)
 
 
 def chat_template(tokenizer, fmt: str) -> ChatTemplate:
@@ -187,35 +235,28 @@ def use_chat_template(tokenizer, file: str | None) -> None:
 
 # -- the cache -------------------------------------------------------------------------------------
 
-def _read_cache(path: Path):
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            ids, labels, lengths, counts = (data[k] for k in ("ids", "labels", "lengths", "stats"))
-    except (OSError, ValueError, KeyError):  # half-written or damaged: encode again
-        return None
-    ends = np.cumsum(lengths)
-    examples = [{"input_ids": ids[end - n:end].tolist(), "labels": labels[end - n:end].tolist()}
-                for n, end in zip(lengths.tolist(), ends.tolist())]
-    return examples, sft.SFTStats(*map(int, counts))
+CACHE_ARRAYS = ("input_ids", "input_ids.offsets", "labels", "labels.offsets", "learned_from", "stats")
 
 
-def _write_cache(path: Path, examples: list[dict], stats: sft.SFTStats) -> None:
-    """Written beside its final name and renamed, as hf_data writes its blocks."""
-    join = (lambda key: np.concatenate([np.asarray(e[key], dtype=np.int32) for e in examples])
-            if examples else np.zeros(0, dtype=np.int32))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, ids=join("input_ids"), labels=join("labels"),
-                     lengths=np.asarray([len(e["input_ids"]) for e in examples], dtype=np.int64),
-                     stats=np.asarray([stats.rows, stats.examples, stats.nothing_to_learn]))
-        os.replace(temp, path)
-    except OSError as exc:
-        raise InputError(f"the token cache {path.parent} cannot be written: {exc.strerror}: choose "
-                         "another --cache-dir or output_dir") from None
+def _read_cache(folder: Path):
+    """(Examples memory-mapped, SFTStats), or None when the cache is missing or damaged."""
+    arrays = token_store.read_arrays(folder, CACHE_ARRAYS)
+    if arrays is None:
+        return None
+    ids, labels = Ragged.read(arrays, "input_ids"), Ragged.read(arrays, "labels")
+    whole = (len(ids) == len(labels) == len(arrays["learned_from"]) and arrays["stats"].shape == (3,)
+             and ids.offsets[-1] == len(ids.values) and np.array_equal(ids.offsets, labels.offsets))
+    if not whole:
+        return None
+    return Examples(ids, labels, arrays["learned_from"]), sft.SFTStats(*map(int, arrays["stats"]))
+
+
+def _write_cache(folder: Path, made) -> None:
+    examples, stats = made
+    token_store.write_arrays(folder, {
+        **examples.ids.arrays("input_ids"), **examples.labels.arrays("labels"),
+        "learned_from": examples.learned_from,
+        "stats": np.asarray([stats.rows, stats.examples, stats.nothing_to_learn], dtype=np.int64)})
 
 
 # -- the run header --------------------------------------------------------------------------------

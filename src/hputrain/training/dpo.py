@@ -329,17 +329,25 @@ class DPOTrainer(Trainer):
 # -- helpers ---------------------------------------------------------------------------------------
 
 def _encoded(dataset, tokenizer, config: DPOConfig):
-    """Preference rows encoded (a list of pairs); pairs already encoded pass through."""
+    """Preference rows encoded (a list of pairs); pairs already encoded pass through as they are
+    (the recipe's memory-mapped EncodedPairs stay shared between the ranks, never made lists)."""
     if dataset is None:
         return None
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset) \
+            and _is_encoded(dataset[0]):
+        return dataset
     rows = list(dataset)
-    if not rows or all(key in rows[0] for key in ("prompt_ids", "chosen_ids", "rejected_ids")):
+    if not rows or _is_encoded(rows[0]):
         return rows
     if tokenizer is None:
         raise InputError("DPOTrainer needs processing_class (the tokenizer) to encode preference rows")
     pairs, _ = encode_pairs(((f"row {i + 1}", row) for i, row in enumerate(rows)), tokenizer,
                             max_length=config.max_length, max_prompt_length=config.max_prompt_length)
     return pairs
+
+
+def _is_encoded(row) -> bool:
+    return all(key in row for key in ("prompt_ids", "chosen_ids", "rejected_ids"))
 
 
 def _carries_reference(pairs: list[dict]) -> bool:

@@ -1,0 +1,274 @@
+"""A corpus read as a stream: a folder of JSON Lines or Parquet shards, each rank reading its own,
+rows tokenized and packed on the fly, the stream's position saved with each checkpoint.
+
+Why plain readers per shard, not datasets' streaming mode: a position here is exact and small
+(which shard of this rank, how many rows of it, the byte offset in a JSON Lines file), resuming
+seeks straight to it (a JSON Lines offset, a Parquet row group from the file's metadata) instead
+of re-reading, and the assignment of shards to ranks is ours to state: shard i (in sorted order)
+is read by rank i % world_size, and by no other.
+
+`ShardStream` is an IterableDataset with `reads_own_shards = True`: data.MicroBatches then gives it
+its rank (`take_rank`) and never slices its samples; it saves `state_dict()` after every
+micro-batch and restores it with `load_state_dict`. One pass over this rank's shards is an epoch;
+`next_epoch` starts the next pass, which MicroBatches calls on every rank as soon as one rank's
+shards run out (an agreement through the process group), so every rank takes the same steps.
+
+Rows become samples in one of three ways (`packing`):
+
+  "text"    the encoder returns a row's token ids (eos appended); they are joined and cut into
+            blocks of block_size tokens, as recipes/hf_data.py does for a whole corpus. The
+            position keeps the tokens read but not yet in a block (`pending`); they carry over
+            from one shard to the next, and are dropped at the end of a pass.
+  "packed"  the encoder returns an SFT example ({"input_ids", "labels"}, or None when it has
+            nothing to learn); `buffer` examples at a time are packed into blocks with restarting
+            position_ids (packing.pack). The position is that of the buffer's first row and the
+            number of its blocks already given out (`pending`): a resumed stream reads the buffer's
+            rows again, packs them the same way and skips those blocks.
+  "rows"    one example a row (unpacked SFT), cut to block_size, padded per batch by the collator.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from ..errors import InputError
+from .batching import walk_sorted
+from .packing import pack, unpacked
+
+SHARD_SUFFIXES = (".jsonl", ".parquet")
+"""The files a shard folder is made of."""
+VALIDATION_FOLDER = "validation"
+"""A subfolder of shards evaluated on instead of trained on."""
+PARQUET_BATCH_ROWS = 1024
+"""Rows read from a Parquet file at a time."""
+PACKINGS = ("text", "packed", "rows")
+
+
+def find_shards(folder: str | Path, what: str = "--dataset") -> list[Path]:
+    """The shard files under `folder` (or `folder` itself, one shard), in sorted order, its
+    `validation` subfolder left out; one line when there are none."""
+    root = Path(folder)
+    if root.is_file() and root.suffix.lower() in SHARD_SUFFIXES:
+        return [root]  # one shard
+    if not root.is_dir():
+        raise InputError(f"{what} {folder} is not a folder: --streaming reads a folder of JSON Lines "
+                         "(.jsonl) or Parquet (.parquet) shards")
+    held_out = root / VALIDATION_FOLDER
+    shards = [path for path in walk_sorted(root, None) if path.suffix.lower() in SHARD_SUFFIXES
+              and held_out not in path.parents]
+    if not shards:
+        raise InputError(f"{what} {folder} holds no .jsonl or .parquet shards: --streaming reads a "
+                         "folder of them")
+    return shards
+
+
+def validation_shards(folder: str | Path) -> list[Path]:
+    """The shards of `folder`/validation, or [] when it has no such subfolder."""
+    held_out = Path(folder) / VALIDATION_FOLDER
+    return find_shards(held_out, "--dataset") if held_out.is_dir() else []
+
+
+def read_rows(path: Path, row: int = 0, offset: int = 0) -> Iterator[tuple[dict, int, int]]:
+    """(record, rows read so far, byte offset after it) for each row of a shard after the first
+    `row` rows; `offset` is where those end in a JSON Lines file (Parquet ignores it)."""
+    if path.suffix.lower() == ".parquet":
+        return _parquet_rows(path, row)
+    return _jsonl_rows(path, row, offset)
+
+
+def _jsonl_rows(path: Path, row: int, offset: int) -> Iterator[tuple[dict, int, int]]:
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"--dataset {path} cannot be read: {exc.strerror}") from None
+    with handle:
+        handle.seek(offset)
+        for line in handle:
+            offset += len(line)
+            if not line.strip():
+                continue
+            row += 1
+            try:
+                record = json.loads(line)
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                raise InputError(f"--dataset {path} row {row} is not a JSON object ({exc}): a JSON "
+                                 "Lines shard holds one object a line") from None
+            if not isinstance(record, dict):
+                raise InputError(f"--dataset {path} row {row} is {type(record).__name__}, not an "
+                                 "object of fields")
+            yield record, row, offset
+
+
+def _parquet_rows(path: Path, row: int) -> Iterator[tuple[dict, int, int]]:
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise InputError(f"--dataset {path} cannot be read as Parquet: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    first, before = 0, 0  # the first row group holding rows past `row`, and the rows before it
+    while first < file.num_row_groups and before + file.metadata.row_group(first).num_rows <= row:
+        before += file.metadata.row_group(first).num_rows
+        first += 1
+    at = before
+    groups = list(range(first, file.num_row_groups))
+    for batch in file.iter_batches(PARQUET_BATCH_ROWS, row_groups=groups) if groups else ():
+        for record in batch.to_pylist():
+            at += 1
+            if at > row:
+                yield record, at, 0
+
+
+def first_row(shards: list[Path]) -> tuple[dict, str]:
+    """(the first row of the first shard that has one, where it is) to tell the data's shape."""
+    for shard in shards:
+        for record, row, _ in read_rows(shard):
+            return record, f"{shard} row {row}"
+    raise InputError(f"--dataset: its shards ({shards[0].parent}) hold no rows")
+
+
+class ShardStream(IterableDataset):
+    """This rank's shards as a stream of blocks (or rows): see the module docstring.
+
+    `encode(record, where)` turns a row into token ids ("text") or an SFT example ("packed",
+    "rows"); `where` names the row in its errors."""
+
+    reads_own_shards = True
+    """MicroBatches' cue that this data set is already this rank's: it calls take_rank and keeps
+    every sample, where it would otherwise take this rank's slice of each micro-batch."""
+
+    def __init__(self, shards: list[Path], encode: Callable, *, block_size: int,
+                 packing: str = "text", pad_token_id: int = 0, buffer: int = 256) -> None:
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
+        if not shards:
+            raise InputError("--dataset holds no shards to stream")
+        self.all_shards, self.encode = list(shards), encode
+        self.block_size, self.packing, self.pad_token_id, self.buffer = block_size, packing, pad_token_id, buffer
+        self.take_rank(0, 1)
+
+    def take_rank(self, rank: int, world_size: int) -> None:
+        """Read shard i on rank i % world_size only, from the start."""
+        if len(self.all_shards) < world_size:
+            raise InputError(f"--streaming: --dataset has {len(self.all_shards)} shard(s) for "
+                             f"{world_size} data-parallel ranks, and each rank reads its own shards: "
+                             f"split the data into at least {world_size} files")
+        self.rank, self.world_size = rank, world_size
+        self.shards = self.all_shards[rank::world_size]
+        self._state = self._start(0)
+
+    # -- the position ---------------------------------------------------------------------------
+    def _start(self, epoch: int) -> dict:
+        return self._at(epoch, 0, 0, 0, [] if self.packing == "text" else 0)
+
+    def _at(self, epoch: int, shard: int, row: int, offset: int, pending) -> dict:
+        name = self.shards[shard].name if shard < len(self.shards) else None
+        return {"epoch": epoch, "shard": shard, "file": name, "row": row, "offset": offset,
+                "pending": pending, "rank": self.rank, "world_size": self.world_size}
+
+    def state_dict(self) -> dict:
+        """The position after the last sample given out (JSON-ready)."""
+        pending = self._state["pending"]
+        return {**self._state, "pending": pending.tolist() if isinstance(pending, np.ndarray) else pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; one line when it is not a position in these shards
+        with this number of ranks."""
+        try:
+            same = (state["rank"], state["world_size"]) == (self.rank, self.world_size)
+            shard = state["shard"]
+            known = shard < len(self.shards) and self.shards[shard].name == state["file"]
+            checked = {key: state[key] for key in ("epoch", "row", "offset", "pending")}
+        except (KeyError, TypeError, IndexError):
+            raise InputError("the checkpoint's stream position cannot be read: resume without "
+                             "--streaming's saved position (a fresh output_dir)") from None
+        if not same:
+            raise InputError(f"the checkpoint's stream position is rank {state['rank']} of "
+                             f"{state['world_size']}, this is rank {self.rank} of {self.world_size}: "
+                             "resume a --streaming run on as many processes as it was saved with")
+        if not known:
+            raise InputError(f"the checkpoint's stream position names shard {state['file']!r} "
+                             f"(number {shard} of rank {self.rank}), which this --dataset does not "
+                             "hold there: resume with the same shards")
+        self._state = self._at(checked["epoch"], shard, checked["row"], checked["offset"],
+                               checked["pending"])
+
+    def next_epoch(self) -> None:
+        """Start the next pass over this rank's shards (what is pending is dropped)."""
+        self._state = self._start(self._state["epoch"] + 1)
+
+    @property
+    def epoch(self) -> int:
+        return self._state["epoch"]
+
+    # -- the samples ------------------------------------------------------------------------------
+    def __iter__(self):
+        """The samples from the current position to the end of this pass; state_dict() follows."""
+        start = dict(self._state)
+        make = {"text": self._text_blocks, "packed": self._packed_blocks, "rows": self._rows}
+        for sample, state in make[self.packing](start):
+            self._state = state
+            yield sample
+        self._state = self._start(start["epoch"] + 1)
+
+    def _read(self, state: dict) -> Iterator[tuple[dict, str, tuple[int, int, int]]]:
+        """(record, where, (shard, rows read, offset) after it) from `state` to the pass's end."""
+        row, offset = state["row"], state["offset"]
+        for shard in range(state["shard"], len(self.shards)):
+            path = self.shards[shard]
+            for record, row, offset in read_rows(path, row, offset):
+                yield record, f"--dataset {path} row {row}", (shard, row, offset)
+            row, offset = 0, 0
+
+    def _text_blocks(self, state: dict):
+        """Blocks of the tokens pending at `state` (a saved position may hold several), then of
+        each row's tokens joined to what is left."""
+        block, at, rows = self.block_size, (state["shard"], state["row"], state["offset"]), self._read(state)
+        tokens = np.asarray(state["pending"], dtype=np.int64)
+        while True:
+            count = len(tokens) // block
+            for k in range(count):  # what is left after block k is a view: no copy per block
+                ids = torch.from_numpy(tokens[k * block:(k + 1) * block].copy())
+                yield ({"input_ids": ids, "labels": ids.clone()},
+                       self._at(state["epoch"], *at, tokens[(k + 1) * block:]))
+            item = next(rows, None)
+            if item is None:
+                return
+            record, where, at = item
+            tokens = np.concatenate([tokens[count * block:],
+                                     np.asarray(self.encode(record, where), dtype=np.int64)])
+
+    def _packed_blocks(self, state: dict):
+        """Buffers of `buffer` examples packed into blocks; the position of a block inside a buffer
+        is the buffer's first row and the blocks of it given out."""
+        group, skip = (state["shard"], state["row"], state["offset"]), state["pending"]
+        rows = self._read(state)
+        while True:
+            examples, end, done = [], group, True
+            for record, where, at in rows:
+                end, example = at, self.encode(record, where)
+                if example is not None:
+                    examples.append(example)
+                if len(examples) == self.buffer:
+                    done = False
+                    break
+            blocks = pack(examples, self.block_size, self.pad_token_id)[0] if examples else []
+            for k in range(skip, len(blocks)):
+                after = (*end, 0) if k == len(blocks) - 1 else (*group, k + 1)
+                yield blocks[k], self._at(state["epoch"], *after)
+            if done:
+                return
+            group, skip = end, 0
+
+    def _rows(self, state: dict):
+        for record, where, at in self._read(state):
+            example = self.encode(record, where)
+            rows = unpacked([example], self.block_size, self.pad_token_id)[0] if example else []
+            for row in rows:
+                yield row, self._at(state["epoch"], *at, 0)

@@ -1,0 +1,124 @@
+"""A Hugging Face model folder under strategy="fsdp" across processes, loaded so that no rank ever
+holds it whole: the model is built on the meta device (its buffers real, computed as its
+constructor computes them), carries a weight source (checkpoint/hf_weights.py) that the strategy
+calls once FSDP2 has sharded it, and each rank reads its own rows of each tensor from the
+folder's safetensors files. The weights equal `from_pretrained(dtype=float32)`'s bit for bit.
+
+LoRA adapters, small, are drawn on the CPU as PEFT draws them for an eagerly loaded model (see
+`draw_adapters`). A folder whose tensors do not map onto the model's parameters one to one
+falls back to `from_pretrained` on every rank, with one line saying why. One process, and every
+other strategy, loads as before (recipes/hf.py `_load_folder`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+
+def loads_sharded(training_args) -> bool:
+    """Whether this run shards the model over several processes (fsdp, WORLD_SIZE > 1, once
+    mpirun's or srun's variables are read as torchrun's): the model is then loaded shard by shard."""
+    return training_args.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build modules with their parameters on the meta device (no storage, nothing drawn) and
+    their buffers real, as accelerate's init_empty_weights(include_buffers=False) does: a buffer
+    such as rotary `inv_freq` is computed in __init__ and is often not in the checkpoint. Only
+    while the model is built: torch's Module.register_parameter is restored on the way out."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def meta_model(folder: Path, config, flag: str):
+    """The causal LM of `folder` on the meta device carrying its FolderWeights, made as
+    from_pretrained makes it (float32, eval mode, its path as name_or_path, its generation
+    config); None, after one line on the main rank, when the folder's tensors do not map onto
+    its parameters (the caller then loads it whole)."""
+    import transformers
+
+    from ..checkpoint.hf_weights import FolderWeights
+    from ..distributed.fsdp import set_weight_source
+
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    source = FolderWeights.match(folder, model)
+    if isinstance(source, str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"hputrain: {flag} {folder}: every rank loads the whole model, the folder's "
+                  f"weights do not map onto {type(model).__name__}'s parameters ({source})")
+        return None
+    path = str(folder.resolve())
+    model.config.name_or_path = path  # what PEFT writes as the base model, as from_pretrained sets
+    model.name_or_path = path
+    if (folder / "generation_config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return set_weight_source(model.eval(), source)
+
+
+def on_meta(model) -> bool:
+    return any(param.is_meta for param in model.parameters())
+
+
+def draw_adapters(model, rng_state: torch.Tensor) -> None:
+    """Give the LoRA adapters that get_peft_model added to a meta model real CPU tensors holding
+    what it drew for them (lost when PEFT moved each adapter to its base layer's device, the meta
+    device): its draws replayed from the generator state it started from, layer by layer in its
+    order (nn.Linear's own init of A, then of B, then PEFT's reset_lora_parameters), so that they
+    equal the adapters of an eagerly loaded model. The generator ends where PEFT left it."""
+    from peft.tuners.lora import LoraLayer
+
+    after = torch.random.get_rng_state()
+    torch.random.set_rng_state(rng_state)
+    try:
+        with torch.no_grad():
+            for layer in model.modules():
+                if not isinstance(layer, LoraLayer):
+                    continue
+                for adapter in layer.lora_A:
+                    for linear in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                        linear.to_empty(device="cpu")
+                        linear.reset_parameters()
+                    layer.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
+    finally:
+        torch.random.set_rng_state(after)
+    _check_adapters(model)  # LoRA on an embedding (lora_embedding_A/B) is not drawn here
+
+
+def load_adapter_values(model, folder: Path) -> None:
+    """An adapter folder's LoRA adapters loaded onto a meta base (PEFT leaves them on their base
+    layers' device, the meta device): given CPU tensors, then the folder's values by PEFT's own
+    loader and key mapping."""
+    import peft
+    from peft.tuners.lora import LoraLayer
+
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for adapters in (layer.lora_A, layer.lora_B):
+                adapters.to_empty(device="cpu")
+    peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(str(folder), device="cpu"))
+    _check_adapters(model)
+
+
+def _check_adapters(model) -> None:
+    from ..errors import InputError
+
+    left = [name for name, param in model.named_parameters() if param.is_meta and "lora_" in name]
+    if left:
+        raise InputError(f"{left[0]}: these adapters cannot be loaded with fsdp's sharded loading "
+                         "(only LoRA on linear layers can)")
