@@ -11,9 +11,11 @@ the built-in GPT at the "base" width with 16 blocks (113.7M parameters) unless t
 - speed: median step time of fsdp against ddp at 2 processes, same model and batch per process.
 - hf: `hputrain train --model DIR` on a Hugging Face Llama folder (HF_CONFIG, random weights
   written by save_pretrained into a temporary folder), 2 steps, for one process and for fsdp on
-  2 and 4 processes: each rank's peak RSS when training begins (loaded and sharded), when it
-  ends, and at exit (rank 0 gathers the whole model to write final/), median of --repeats runs;
-  with fsdp, also the same folder
+  2 and 4 processes: each rank's peak RSS when training begins (loaded and sharded), after the
+  last step (before the checkpoint), when training ends (rank 0 has gathered the whole model for
+  the checkpoint's model.safetensors) and at exit (again for final/), median of --repeats runs;
+  also with glibc's malloc told to return freed tensors to the system (MALLOC_ENV); with fsdp,
+  also the same folder
   with its tensors under names that do not map one to one (the fallback: every rank loads the
   whole model with from_pretrained, as before sharded loading).
 
@@ -147,6 +149,9 @@ def hf_worker(opts) -> None:
     class Peaks(Callback):
         def on_train_begin(self, trainer):
             result["loaded"] = peak_rss()
+
+        def on_step_end(self, trainer):  # the last one: after the steps, before the checkpoint
+            result["stepped"] = peak_rss()
 
         def on_train_end(self, trainer):
             result["trained"] = peak_rss()
@@ -296,9 +301,17 @@ def renamed_copy(folder: Path) -> Path:
     return target
 
 
-def hf_run(opts, folder: Path, data: Path, processes: int, strategy: str, root: Path) -> list[dict]:
-    """Each rank's peaks of one `hputrain train` run (bytes), rank order."""
-    result = str(root / f"result-{processes}-{strategy}-{folder.name}")
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+"""glibc's malloc with a fixed mmap threshold: a tensor of 1 MiB or more gets its own mapping,
+returned to the system when freed. By default the threshold rises to the size of each mapped
+block freed (up to 32 MiB), after which such tensors come from the heap, which keeps what is
+freed (measured: ~0.6-0.8 GB per rank kept after 2 fsdp steps of the Llama below)."""
+
+
+def hf_run(opts, folder: Path, data: Path, processes: int, strategy: str, root: Path,
+           malloc: bool = False) -> list[dict]:
+    """Each rank's peaks of one `hputrain train` run (bytes), rank order; `malloc`: under MALLOC_ENV."""
+    result = str(root / f"result-{processes}-{strategy}-{folder.name}-{malloc}")
     train = ["--model", str(folder), "--dataset", str(data), "--max-steps", "2", "--cpu",
              "--devices", str(processes), "--strategy", strategy, "--block-size", "128",
              "--per-device-train-batch-size", "2", "--validation-split-percentage", "0",
@@ -306,7 +319,7 @@ def hf_run(opts, folder: Path, data: Path, processes: int, strategy: str, root: 
              "--output-dir", str(root / f"out-{processes}-{strategy}-{folder.name}"), "--overwrite-output-dir"]
     command = [sys.executable, str(HERE / "memory.py"), "--worker", "hf", "--result", result,
                "--processes", str(processes), "--", *train]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE), **(MALLOC_ENV if malloc else {})}
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}")
@@ -316,9 +329,13 @@ def hf_run(opts, folder: Path, data: Path, processes: int, strategy: str, root: 
 def hf_part(opts) -> None:
     import transformers
 
-    runs = {"1 process": (1, "single", False), "fsdp, 2 processes": (2, "fsdp", False),
-            "fsdp, 4 processes": (4, "fsdp", False),
-            "fsdp, 4 processes, whole model on every rank (fallback)": (4, "fsdp", True)}
+    malloc = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+    runs = {"1 process": (1, "single", False, False), "fsdp, 2 processes": (2, "fsdp", False, False),
+            "fsdp, 4 processes": (4, "fsdp", False, False),
+            "fsdp, 4 processes, whole model on every rank (fallback)": (4, "fsdp", True, False),
+            f"1 process, {malloc}": (1, "single", False, True),
+            f"fsdp, 2 processes, {malloc}": (2, "fsdp", False, True),
+            f"fsdp, 4 processes, {malloc}": (4, "fsdp", False, True)}
     peaks: dict[str, list[list[dict]]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -327,20 +344,24 @@ def hf_part(opts) -> None:
         data = root / "data.txt"
         data.write_text(HF_TEXT * 4000)
         for _ in range(opts.repeats):
-            for name, (n, strategy, whole) in runs.items():
-                peaks[name].append(hf_run(opts, renamed if whole else folder, data, n, strategy, root))
+            for name, (n, strategy, whole, malloc_env) in runs.items():
+                peaks[name].append(hf_run(opts, renamed if whole else folder, data, n, strategy, root,
+                                          malloc_env))
     params = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).num_parameters()
     print(f"model: Llama {HF_CONFIG}, {params / 1e6:.1f}M parameters, {params * 4 / 2**20:,.0f} MiB fp32; "
           f"2 steps of 2 x 128 tokens per process, AdamW; median of {opts.repeats} runs")
-    single = statistics.median(r[0]["at_exit"] for r in peaks["1 process"])
-    print("peak RSS per rank, MiB, rank 0 / the largest other rank (x the one-process peak at exit)")
-    print("| run | when training begins (model loaded and sharded) | when training ends | at exit "
-          "(rank 0 has gathered the model for final/) |")
-    print("|---|---|---|---|")
+    singles = {malloc_env: statistics.median(r[0]["at_exit"] for r in peaks[name])
+               for name, (n, _, _, malloc_env) in runs.items() if n == 1}
+    print("peak RSS per rank, MiB, rank 0 / the largest other rank (x the one-process peak at exit "
+          "under the same malloc setting)")
+    print("| run | when training begins (model loaded and sharded) | after the steps | when training ends "
+          "(rank 0 has gathered the model for the checkpoint) | at exit (and for final/) |")
+    print("|---|---|---|---|---|")
     for name, repeats in peaks.items():
+        single = singles[runs[name][3]]
         others = range(1, len(repeats[0])) or range(1)
         cells = []
-        for key in ("loaded", "trained", "at_exit"):
+        for key in ("loaded", "stepped", "trained", "at_exit"):
             zero, other = (statistics.median(max(r[rank][key] for rank in ranks) for r in repeats)
                            for ranks in ([0], others))
             cells.append(f"{zero / 2**20:,.0f} / {other / 2**20:,.0f} ({zero / single:.2f} / {other / single:.2f})")

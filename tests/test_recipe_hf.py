@@ -390,3 +390,20 @@ def test_from_scratch_keeps_the_architecture_and_not_the_weights(llama_folder): 
     assert fresh.state_dict()[weight].dtype == torch.float32
     assert not torch.equal(fresh.state_dict()[weight], names[weight])
     assert torch.equal(loaded.state_dict()[weight], names[weight])
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_one_line(llama_folder, text_file, tmp_path, capsys):  # noqa: F811
+    """Tokens added to the tokenizer without resizing the model's embeddings: one line naming both
+    sizes and the fix, exit 2, instead of an IndexError in the first forward."""
+    folder = tmp_path / "model"
+    shutil.copytree(llama_folder, folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    rows = transformers.AutoConfig.from_pretrained(folder).vocab_size
+    tokenizer.add_tokens([f"<new{i}>" for i in range(rows - len(tokenizer) + 2)], special_tokens=True)
+    tokenizer.save_pretrained(folder)
+    assert main(["train", "--model", str(folder), "--dataset", str(text_file), "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hputrain: error: --model {folder}: its tokenizer has {rows + 2} tokens and the model "
+                   f"embeds {rows}: resize the embeddings to the tokenizer "
+                   "(model.resize_token_embeddings(len(tokenizer))) and save the folder again"), err

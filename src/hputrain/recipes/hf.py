@@ -164,6 +164,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     sharded = loads_sharded(training_args)  # fsdp across processes: no rank holds the model whole
     model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
                                   trainable=True, sharded=sharded)
+    check_vocabulary(model, tokenizer, folder)
     dpo = data_kind(options) == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
                   if dpo and options.ref_model else None)
@@ -193,7 +194,8 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
                       data_collator=getattr(data, "collator", None),
                       accelerator_config=accelerator_config, processing_class=tokenizer)
     if trainer.group.is_main:
-        print(stream_header(trainer, model, options, data, block_size) if options.streaming
+        print(stream_header(model_line(trainer, model, options), trainer, options, data, block_size)
+              if options.streaming
               else _header(trainer, model, options, data, block_size))
     output = trainer.train()
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
@@ -376,6 +378,17 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
     return model, tokenizer
 
 
+def check_vocabulary(model, tokenizer, folder: Path, flag: str = "--model") -> None:
+    """A tokenizer that gives ids the model has no embedding row for (tokens added and the
+    embeddings not resized) is one line here, not an IndexError in the first forward."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise InputError(f"{flag} {folder}: its tokenizer has {len(tokenizer)} tokens and the model "
+                         f"embeds {rows}: resize the embeddings to the tokenizer "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save the folder again")
+
+
 def _load_tokenizer(folder: Path, flag: str):
     import transformers
 
@@ -456,18 +469,35 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 
 # -- the run header ------------------------------------------------------------------------------
 
-def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
+def model_line(trainer, model, options: HFOptions) -> str:
+    """The header's first line: the model (its own class, not FSDP2's wrapper class), LoRA's
+    adapters, the parameters trained, the device, the compute dtype and the kernels."""
     from .finish import kernels_line
-    from .hf_sft import METHODS, counted, describe, split_sizes
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    name = type(model).__name__
+    name = _class_name(model)
     if options.lora_r:
         peft_config = next(iter(model.peft_config.values()))
         targets = peft_config.target_modules
         targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
-        name = f"{type(model.get_base_model()).__name__} + LoRA r={options.lora_r} on {targets}"
+        name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
+    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
+            f"{_count(trainable)} of {_count(total)} parameters trainable, on "
+            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
+            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
+
+
+def _class_name(model) -> str:
+    """The model's class name, past the classes torch.distributed wraps it in (fully_shard makes
+    an FSDP<Class> subclass)."""
+    return next(cls.__name__ for cls in type(model).__mro__
+                if not cls.__module__.startswith("torch.distributed"))
+
+
+def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
+    from .hf_sft import METHODS, counted, describe, split_sizes
+
     held_out = len(data.validation) if data.validation is not None else 0
     cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
     unit = "block" if options.packing or data.method == "text" else "row"
@@ -479,10 +509,7 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
                       f"(--validation-split-percentage), {counted(held_out, unit)}")
     else:
         validation = "none (--validation-split-percentage 0)"
-    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
-            f"{_count(trainable)} of {_count(total)} parameters trainable, on "
-            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
+    return (f"{model_line(trainer, model, options)}\n"
             f"hputrain: method: {METHODS[data.method]}\n"
             + (f"hputrain: {split_sizes(len(data.train), held_out, 'block')} of {block_size} "
                f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else

@@ -151,13 +151,9 @@ def validation_set(shards: list[Path], encode, kind: str, block_size: int, pad: 
     return items
 
 
-def stream_header(trainer, model, options, data: StreamData, block_size: int) -> str:
-    """The run header of a streaming run: the model, the method, the shards and the validation."""
-    from .finish import kernels_line
-
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    name = type(model).__name__ + (f" + LoRA r={options.lora_r}" if options.lora_r else "")
+def stream_header(first_line: str, trainer, options, data: StreamData, block_size: int) -> str:
+    """The run header of a streaming run: `first_line` (the model, hf.model_line), the method,
+    the shards and the validation."""
     stream, ranks = data.train, trainer.group.dp_size
     shape = {"text": "blocks of text", "packed": "blocks packed with attention kept inside each "
              f"example ({stream.buffer} examples at a time)", "rows": "one example a row, unpacked "
@@ -168,9 +164,7 @@ def stream_header(trainer, model, options, data: StreamData, block_size: int) ->
     else:
         validation = (f"none (--streaming evaluates on a {VALIDATION_FOLDER}/ subfolder of --dataset, "
                       "and it has none)")
-    return (f"hputrain: {name}, {trainable:,} of {total:,} parameters trainable, on "
-            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
+    return (f"{first_line}\n"
             f"hputrain: method: {hf_sft.METHODS[data.method]}\n"
             f"hputrain: streaming {len(stream.all_shards)} shard(s) of {options.dataset} (shard i on "
             f"data-parallel rank i % {ranks}; rank 0 reads {len(stream.all_shards[::ranks])}): "
