@@ -69,6 +69,12 @@ def model_state_bytes(optimizer) -> dict[str, int]:
 
 
 def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec. ru_maxrss does not:
+    Linux carries the parent's peak into a child it forks and execs (the hf part's parent holds
+    ~1 GB after writing the model folder, which a one-process worker then reported as its own)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

@@ -478,7 +478,12 @@ def _error_lines(err: str) -> set[str]:
     return said
 
 
-@pytest.mark.parametrize("refusal", combos.REFUSED, ids=lambda refusal: refusal.name)
+# Each refusal that needs real processes starts two (~15 s): make test keeps two of them.
+SLOW_REFUSALS = ("lazy+fsdp2", "fsdp2+context_parallel", "packed_sft+context_parallel")
+
+
+@pytest.mark.parametrize("refusal", [pytest.param(r, marks=pytest.mark.slow) if r.name in SLOW_REFUSALS
+                                     else r for r in combos.REFUSED], ids=lambda refusal: refusal.name)
 def test_refused_pairs_say_one_line_and_exit_2(refusal, inputs, tmp_path, capsys):
     """Refused before any rank starts: exactly one line on stderr. Refused in the ranks: every
     rank says the one line and the launcher repeats it (`rank R failed (exit code 2): LINE`).

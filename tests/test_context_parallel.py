@@ -72,6 +72,7 @@ def test_dp2_by_cp2_on_four_processes(tmp_path, tmp_path_factory):
         torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # make test keeps cp2 under ddp and fast_ddp, and dp2 x cp2
 def test_cp_with_bf16_and_resume(tmp_path):
     script = str(ROOT / "tests" / "dist_script.py")
     launch(2, script, str(tmp_path), "4", "ddp", "--cp", "2", "--steps", "10", "--bf16")

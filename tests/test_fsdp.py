@@ -167,8 +167,7 @@ def update_error(expected, actual) -> float:
     return ((flat(got) - flat(want)).norm() / (flat(want) - flat(initial)).norm()).item()
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # fp8 itself: test_fp8.py; fsdp on 2 processes: the tests above
 def test_fp8_on_two_processes_tracks_one_fp8_process(tmp_path):
     """fp8=True under fsdp (bf16 parameters gathered for compute, fp8 matrix products, fp32 master
     shards) against one fp8 process with the doubled batch, on text, where the loss falls from 5.4

@@ -113,8 +113,7 @@ CI_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.ci
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.ci), "fsdp"])
 def test_stops_agreed_by_every_rank(tmp_path, strategy):
     run(tmp_path, strategy, CI_CASES)
 
