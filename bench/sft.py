@@ -71,6 +71,8 @@ def conversations(text: str, count: int, seed: int = 0) -> list[dict]:
     def piece(low: int, high: int) -> str:
         nonlocal at
         n = rng.randint(low, high)
+        if at + n > len(text):  # the source wraps around: as many conversations as asked for
+            at = 0
         at += n
         return text[at - n:at]
 

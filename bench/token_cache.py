@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import psutil
 
 from hputrain.data.batching import read_corpus
 from hputrain.recipes import hf_data, hf_sft
-from sft import tokenizer_with_template
+from sft import conversations, tokenizer_with_template
 from token_memory import smaps
 
 HERE = Path(__file__).resolve().parent
@@ -53,26 +52,10 @@ def source_text() -> str:
 
 
 def write_conversations(path: Path, text: str, count: int, seed: int = 0) -> None:
-    """bench/sft.py's conversations, the source wrapping around, written as JSON Lines."""
-    rng = random.Random(seed)
-    at = 0
-
-    def piece(low: int, high: int) -> str:
-        nonlocal at
-        n = rng.randint(low, high)
-        if at + n > len(text):
-            at = 0
-        at += n
-        return text[at - n:at]
-
+    """bench/sft.py's conversations, written as JSON Lines."""
     with open(path, "w", encoding="utf-8") as out:
-        for i in range(count):
-            messages = [{"role": "user", "content": piece(40, 600)},
-                        {"role": "assistant", "content": piece(60, 900)}]
-            if i % 3 == 0:
-                messages += [{"role": "user", "content": piece(20, 120)},
-                             {"role": "assistant", "content": piece(40, 400)}]
-            out.write(json.dumps({"messages": messages}) + "\n")
+        for row in conversations(text, count, seed):
+            out.write(json.dumps(row) + "\n")
 
 
 def model_folder(folder: Path, text: str) -> Path:

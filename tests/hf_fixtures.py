@@ -92,3 +92,18 @@ def llama_config_folder(folder: Path, vocab_size: int = 4096, hidden_size: int =
                              num_attention_heads=heads, num_key_value_heads=heads // 2,
                              max_position_embeddings=512).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """hputrain picks the CPU in this test, whatever the machine has (the plan tests measure on it)."""
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="module", name="llama")
+def llama_config(tmp_path_factory) -> Path:
+    """A folder with config.json alone (llama_config_folder): all the plan reads; a measured run
+    draws the weights."""
+    folder = llama_config_folder(tmp_path_factory.mktemp("llama-config"))
+    assert not list(folder.glob("*.safetensors"))
+    return folder

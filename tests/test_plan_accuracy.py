@@ -12,7 +12,7 @@ import pytest
 from hputrain.accelerators import detect_accelerator
 from hputrain.rehearsal.plan import plan
 
-from .hf_fixtures import llama_config_folder
+from .hf_fixtures import llama_config, on_cpu  # noqa: F401  (fixtures: llama, on_cpu)
 from .plan_step_script import settings
 from .test_distributed import hputrain_launch
 
@@ -21,14 +21,8 @@ SCRIPT = str(Path(__file__).with_name("plan_step_script.py"))
 GPT = ["--model-size", "small", "--seq-len", "128", "--per-device-train-batch-size", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu(monkeypatch):
-    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return llama_config_folder(tmp_path_factory.mktemp("llama-config"))
 
 
 def planned_and_measured(flags: list[str], tmp_path: Path):

@@ -17,7 +17,7 @@ from hputrain.cli import main
 from hputrain.rehearsal.plan import plan, trace_step
 from hputrain.rehearsal.plan_measure import measure_step
 
-from .hf_fixtures import llama_config_folder
+from .hf_fixtures import llama_config, on_cpu  # noqa: F401  (fixtures: llama, on_cpu)
 from .plan_step_script import settings
 from .test_distributed import hputrain_launch
 
@@ -25,15 +25,8 @@ transformers = pytest.importorskip("transformers")
 SCRIPT = str(Path(__file__).with_name("plan_step_script.py"))
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu(monkeypatch):
-    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    """A folder with config.json only: all the plan reads (the measured run draws weights)."""
-    return llama_config_folder(tmp_path_factory.mktemp("llama-config"))
 
 
 @pytest.fixture(scope="module")

@@ -19,24 +19,15 @@ from hputrain.cli import build_parser, main
 from hputrain.recipes import chosen_recipe
 from hputrain.rehearsal.plan import CATEGORIES, StepModel, StepPeak, trace_step
 
-from .hf_fixtures import llama_config_folder
+from .hf_fixtures import llama_config, on_cpu  # noqa: F401  (fixtures: llama, on_cpu)
 
 transformers = pytest.importorskip("transformers")
 
 GPT = ["--model-size", "small", "--seq-len", "128", "--per-device-train-batch-size", "4"]
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu(monkeypatch):
-    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    """A folder with config.json only: all the plan reads."""
-    folder = llama_config_folder(tmp_path_factory.mktemp("llama-config"))
-    assert not list(folder.glob("*.safetensors"))
-    return folder
 
 
 def settings(flags: list[str]):

@@ -560,7 +560,9 @@ class MicroBatches:
         position, fresh = self.dataset.state_dict(), self._resumed is None
         self._remember(count, position)
         while epochs is None or position["epoch"] < epochs:
-            produced, batches = 0, self._pass_batches()
+            # (micro-batch, position after it) to the end of the pass, in a worker if asked for
+            batches = workers.local_pass(self) if self.loading.num_workers else self.pass_batches()
+            produced = 0
             try:
                 while True:
                     item = next(batches, None)
@@ -583,10 +585,6 @@ class MicroBatches:
             self.dataset.next_epoch()
             position, fresh = self.dataset.state_dict(), True
             self._remember(count, position)
-
-    def _pass_batches(self):
-        """(micro-batch, position after it) to the end of the pass, from a worker if asked for."""
-        return workers.local_pass(self) if self.loading.num_workers > 0 else self.pass_batches()
 
     def pass_batches(self):  # here, or in a worker (workers.local_pass)
         samples = iter(self.dataset)

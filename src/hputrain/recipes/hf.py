@@ -336,7 +336,8 @@ def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | No
     model, tokenizer = _load_folder(base, False, flag, sharded and not merge)
     if tokenizer_folder(folder, base) == folder:
         tokenizer = _load_tokenizer(folder, flag)
-    from .hf_sharded import load_adapter_values, on_meta
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import load_adapter_values
 
     meta = on_meta(model)
     with warnings.catch_warnings():  # onto a meta base, PEFT's copy is a no-op, redone below
@@ -403,7 +404,8 @@ def add_lora(model, options: HFOptions):
     """`model` wrapped by peft with LoRA adapters: only the adapters will require grad."""
     import torch
 
-    from .hf_sharded import draw_adapters, on_meta
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import draw_adapters
 
     try:
         import peft

@@ -71,10 +71,6 @@ def meta_model(folder: Path, config, flag: str):
     return set_weight_source(model.eval(), source)
 
 
-def on_meta(model) -> bool:
-    return any(param.is_meta for param in model.parameters())
-
-
 def draw_adapters(model, rng_state: torch.Tensor) -> None:
     """Give the LoRA adapters that get_peft_model added to a meta model real CPU tensors holding
     what it drew for them (lost when PEFT moved each adapter to its base layer's device, the meta
