@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_evaluating_other_pairs_after_the_reference_is_freed(models, tmp_path): 
     with pytest.raises(InputError, match="reference model was freed") as error:
         trainer.evaluate(pairs[5:])
     assert "\n" not in str(error.value)
-    trainer.objective.reference = trainer._place(load(models[1]))  # back, to compare with
+    trainer.objective.reference = trainer._place_frozen(load(models[1]))  # back, to compare with
     live = trainer.evaluate(pairs[:4])
     assert trainer.precompute_forwards == 2  # the training and the validation pairs, once
     for key in EVAL_METRICS:
@@ -122,15 +123,16 @@ class RecordingGroup:
 def test_a_rank_that_summed_nothing_still_enters_the_all_reduce():
     from hputrain.training.dpo import METRICS, PreferenceObjective
 
-    objective, group = PreferenceObjective(DPOConfig(), call=None), RecordingGroup()
-    assert objective.take_metrics(group, prefix="eval_") == {}
+    objective, group = PreferenceObjective(DPOConfig()), RecordingGroup()
+    objective.loop = types.SimpleNamespace(device=torch.device("cpu"))
+    assert objective.metrics(group, prefix="eval_") == {}
     assert group.reduced == [[0.0] * (len(METRICS) + 1)]  # zeros, and 0 pairs
     logps = torch.tensor([-1.0, -2.0])
     with objective.uncounted():  # a filler batch: in no metric
         objective._add_metrics(logps[:1], logps[1:], logps[:1] + 1, logps[1:])
     assert objective.sums is None and objective.pairs == 0
     objective._add_metrics(logps[:1], logps[1:], logps[:1] + 1, logps[1:])
-    metrics = objective.take_metrics(group)
+    metrics = objective.metrics(group)
     assert metrics["rewards/chosen"] == pytest.approx(-0.1) and group.reduced[-1][-1] == 1
 
 

@@ -55,7 +55,10 @@ def dpo_step(base: StepModel, preference, reference_model: Callable[[], torch.nn
     def objective(frozen, model, sharded: bool):
         adapters = (model if frozen is None and not precomputed
                     and hasattr(model, "disable_adapter") else None)
-        return PreferenceObjective(config, _call, frozen, adapters, sharded=sharded)
+        objective = PreferenceObjective(config, adapters=adapters)
+        objective.reference = frozen  # placed by the plan already
+        objective.loop = types.SimpleNamespace(sharded=sharded, call_model=_call)
+        return objective.compute_loss
 
     reference_name = ("reference log-probs precomputed" if precomputed
                       else "reference: --ref-model" if reference_model is not None
@@ -66,7 +69,6 @@ def dpo_step(base: StepModel, preference, reference_model: Callable[[], torch.nn
                                name=f"{base.name}, DPO on pairs ({reference_name})")
 
 
-def _call(module, batch):
-    """The policy's (or reference's) forward, as DPOTrainer calls it."""
-    return module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  use_cache=False)
+def _call(module, input_ids, attention_mask):
+    """The policy's (or reference's) forward, as the Trainer's Loop.call_model calls it."""
+    return module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -21,7 +21,6 @@ logps/rejected): summed on the device each micro-batch and read back only at log
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import tempfile
@@ -36,6 +35,7 @@ from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
 from ..errors import InputError
 from .evaluation import logits_of
 from .loss import IGNORE_INDEX
+from .objective import Objective
 from .trainer import Trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -77,22 +77,37 @@ def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor,
     return per_token.view(labels.shape).sum(dim=1)
 
 
-class PreferenceObjective:
-    """The DPO loss of a batch, as `compute_loss(module, batch)`: the mean over its pairs. Sums
-    the metrics on the device (`take_metrics` reads them) and counts reference forwards."""
+class PreferenceObjective(Objective):
+    """DPO as the loop's objective (objective.py): pairs collated chosen-then-rejected, the loss a
+    mean over pairs, TRL's metrics summed on the device (`metrics` reads them), the reference
+    placed beside the policy or precomputed before training (`prepare`), and reference forwards
+    counted."""
 
-    def __init__(self, config: DPOConfig, call, reference=None, adapters=None,
-                 sharded: bool = False, device: torch.device | str = "cpu") -> None:
+    has_perplexity = False  # exp of a DPO loss means nothing
+
+    def __init__(self, config: DPOConfig, reference=None, adapters=None, *, pad: int = 0,
+                 max_length: int = 2, ref_key: str | None = None, tokenizer=None) -> None:
         self.config = config
-        self.sharded = sharded  # the policy is sharded (fsdp): see __call__
-        self.call = call  # (module, batch) -> the model's output
-        self.reference = reference  # a frozen module, or None
+        self.collate = PairCollator(pad, max_length)  # pairs keep every key: it builds the inputs
+        self.reference = reference  # a frozen module (placed by `bind`), or None
         self.adapters = adapters  # a PEFT model whose disabled adapters give the reference
-        self.device = device  # where `take_metrics` puts the zeros of a rank that summed nothing
+        self.ref_key, self.tokenizer = ref_key, tokenizer
         self.reference_forwards = 0
+        self.precompute_forwards = 0  # reference forwards run by precompute_reference
         self.sums: torch.Tensor | None = None
         self.pairs = 0  # this rank's pairs summed into `sums`
         self.counting = True  # False around a batch repeated only to keep ranks in step
+
+    def bind(self, loop) -> None:
+        super().bind(loop)
+        if loop.group.cp_size > 1:
+            raise InputError("DPO under context parallelism is not supported: "
+                             "set context_parallel_size=1")
+        if self.reference is not None:
+            self.reference = loop.place_frozen(self.reference)
+
+    def count_tokens(self, model):
+        return PairCount()  # the step's loss is a mean over pairs
 
     @property
     def has_reference(self) -> bool:
@@ -102,21 +117,29 @@ class PreferenceObjective:
 
     @contextlib.contextmanager
     def uncounted(self):
-        """Batches run inside count in no metric (the batches evaluation repeats on a rank that
-        has run out, to keep it in step with its peers under fsdp or ddp)."""
         self.counting = False
         try:
             yield
         finally:
             self.counting = True
 
-    def __call__(self, module, batch) -> torch.Tensor:
+    @contextlib.contextmanager
+    def evaluating(self):
+        training = self.sums, self.pairs  # summed since the last log: kept for it
+        self.sums, self.pairs = None, 0
+        try:
+            yield
+        finally:
+            self.sums, self.pairs = training
+
+    def compute_loss(self, module, batch) -> torch.Tensor:
+        """The DPO loss of a batch: the mean over its pairs."""
         # The reference first: its logits are freed before the policy's forward keeps its own.
         # Not the adapter-disabled policy under fsdp: a no-grad forward of the sharded policy
         # followed by the training one gives its float32 parameters bf16 gradients (FSDP2 with
         # mixed precision, torch 2.13); there the policy goes first, as in TRL.
         ref_logps = batch.get("ref_logps")
-        policy_first = ref_logps is None and self.adapters is not None and self.sharded
+        policy_first = ref_logps is None and self.adapters is not None and self.loop.sharded
         logps = self._logps(module, batch) if policy_first else None
         if ref_logps is None:
             ref_logps = self.reference_logps(module, batch)
@@ -147,7 +170,7 @@ class PreferenceObjective:
                 return self._logps(module, batch)
 
     def _logps(self, module, batch) -> torch.Tensor:
-        logits = logits_of(self.call(module, batch))
+        logits = logits_of(self.loop.call_model(module, batch["input_ids"], batch["attention_mask"]))
         return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
 
     def _add_metrics(self, chosen, rejected, ref_chosen, ref_rejected) -> None:
@@ -161,17 +184,85 @@ class PreferenceObjective:
         self.sums = sums if self.sums is None else self.sums + sums
         self.pairs += chosen.shape[0]
 
-    def take_metrics(self, group, prefix: str = "") -> dict:
+    def metrics(self, group, prefix: str = "") -> dict:
         """The metrics' means over every rank's pairs since the last call (one device read), then
         zeroed; {} when no rank summed a pair. Every rank calls it and enters the all-reduce,
         with zeros when its share of the data gave it nothing to sum."""
-        mine = self.sums if self.sums is not None else torch.zeros(len(METRICS), device=self.device)
+        device = self.loop.device
+        mine = self.sums if self.sums is not None else torch.zeros(len(METRICS), device=device)
         sums = torch.cat([mine.float(), torch.tensor([float(self.pairs)]).to(mine.device)])
         sums = group.all_reduce_sum(sums).tolist()
         self.sums, self.pairs = None, 0
         if sums[-1] == 0:
             return {}
         return {f"{prefix}{name}": value / sums[-1] for name, value in zip(METRICS, sums)}
+
+    # -- the reference, precomputed ------------------------------------------------------------
+    def prepare(self, train_dataset, eval_dataset):
+        if not self.config.precompute_ref_log_probs:
+            return train_dataset, eval_dataset
+        # Every split that will be evaluated, as TRL does (train and eval): the frozen reference
+        # is freed only once no split needs it.
+        train_dataset = self.precompute_reference(train_dataset)
+        if eval_dataset:
+            eval_dataset = self.precompute_reference(eval_dataset)
+        self.reference = None  # no longer needed: free its memory
+        return train_dataset, eval_dataset
+
+    def eval_dataset(self, dataset):
+        """Pairs encoded; without reference log-probs once the reference is freed
+        (precompute_ref_log_probs, after train) they take them from the cache, else the error says
+        what to do."""
+        pairs = _encoded(dataset, self.tokenizer, self.config)
+        if pairs and not self.has_reference and not _carries_reference(pairs):
+            with self.loop.on_device():
+                pairs = self.precompute_reference(pairs)
+        return pairs
+
+    def precompute_reference(self, pairs: list[dict]) -> list[dict]:
+        """`pairs` with the reference's log-probabilities, computed once (every rank, in the same
+        batches) and cached under output_dir/.cache by the pairs, the reference and the tokenizer;
+        read from there when present (0 reference forwards)."""
+        loop = self.loop
+        cache = Path(loop.args.output_dir) / ".cache" / f"dpo-ref-{self._cache_key(pairs)}.npy"
+        values = _read_logps(cache, len(pairs))
+        if values is None:
+            values = self._reference_pass(pairs)
+            self.precompute_forwards += self.reference_forwards
+            self.reference_forwards = 0  # those counted from here on are training's
+            if loop.group.is_main:
+                _write_logps(cache, values)
+            loop.group.barrier()
+        return [{**pair, REF_KEYS[0]: float(c), REF_KEYS[1]: float(r)}
+                for pair, (c, r) in zip(pairs, values)]
+
+    def _reference_pass(self, pairs: list[dict]) -> np.ndarray:
+        loop = self.loop
+        size, values = loop.args.per_device_eval_batch_size, []
+        loop.model.eval()
+        try:
+            for start in range(0, len(pairs), size):
+                batch = self.collate([{k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                                      for p in pairs[start:start + size]])
+                batch = {k: v.to(loop.device) for k, v in batch.items()}
+                with loop.forward_context():
+                    logps = self.reference_logps(loop.module, batch)
+                loop.accelerator.mark_step()
+                values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
+        finally:
+            loop.model.train()
+        return np.concatenate(values).astype(np.float64)
+
+    def _cache_key(self, pairs: list[dict]) -> str:
+        digest = hashlib.sha256()
+        for pair in pairs:
+            for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+                digest.update(np.asarray(pair[key], dtype=np.int64).tobytes() + b"|")
+        tokenizer = self.tokenizer
+        digest.update(repr((self.ref_key, str(self.loop.precision.compute_dtype),
+                            getattr(tokenizer, "name_or_path", None), len(tokenizer or ()),
+                            getattr(tokenizer, "chat_template", None))).encode())
+        return digest.hexdigest()[:24]
 
 
 class PairCount:
@@ -195,7 +286,7 @@ class PairCount:
 
 
 class DPOTrainer(Trainer):
-    """A Trainer whose loss is DPO's (see the module docstring). `train_dataset` and
+    """A Trainer whose objective is DPO's (see the module docstring). `train_dataset` and
     `eval_dataset` are preference rows (prompt / chosen / rejected, text or messages, encoded
     with `processing_class`) or pairs already encoded (data/preference.py). `ref_model`: the
     reference; None means the adapter-disabled base of a PEFT model, else a frozen copy of the
@@ -204,126 +295,29 @@ class DPOTrainer(Trainer):
     def __init__(self, model, args: DPOConfig | dict | None = None, ref_model=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, **kwargs) -> None:
         args = args if isinstance(args, DPOConfig) else DPOConfig(**(args or {}))
-        ref_key = args.ref_key or (_fingerprint(ref_model if ref_model is not None else model)
-                                   if args.precompute_ref_log_probs else None)
-        pad = _pad_id(processing_class)
-        train_dataset, eval_dataset = (_encoded(d, processing_class, args)
-                                       for d in (train_dataset, eval_dataset))
-        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, **kwargs)
-        if self.group.cp_size > 1:
-            raise InputError("DPO under context parallelism is not supported: "
-                             "set context_parallel_size=1")
-        self.collate = PairCollator(pad, args.max_length or _longest(train_dataset, eval_dataset))
         adapters = model if ref_model is None and hasattr(model, "disable_adapter") else None
         if ref_model is None and adapters is None:
             raise InputError("DPO needs a reference: pass ref_model (a frozen copy of the starting "
                              "model), train LoRA adapters, or precompute_ref_log_probs with ref_model")
-        self.ref_key = ref_key
-        self.precompute_forwards = 0  # reference forwards run by precompute_reference
-        self.objective = PreferenceObjective(args, self._call_model, self._place(ref_model), adapters,
-                                             sharded=self.strategy.shards_state, device=self.device)
-        self.compute_loss = self.objective
-        self.count_tokens = PairCount()  # the step's loss is a mean over pairs
+        ref_key = args.ref_key or (_fingerprint(ref_model if ref_model is not None else model)
+                                   if args.precompute_ref_log_probs else None)
+        train_dataset, eval_dataset = (_encoded(d, processing_class, args)
+                                       for d in (train_dataset, eval_dataset))
+        objective = PreferenceObjective(
+            args, ref_model, adapters, pad=_pad_id(processing_class),
+            max_length=args.max_length or _longest(train_dataset, eval_dataset), ref_key=ref_key,
+            tokenizer=processing_class)
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, objective=objective, **kwargs)
 
     @property
-    def _collate(self):
-        return self.collate  # pairs keep every key: the collator builds the model's inputs
-
-    def _call_model(self, module, batch):
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        if self.inputs is None or "use_cache" in self.inputs:
-            inputs["use_cache"] = False  # no key/value cache in a training forward
-        return module(**inputs)
-
-    def _place(self, ref_model):
-        """The reference on this rank's device in the policy's precision, frozen; sharded like the
-        policy under fsdp (whose forward is a collective); stored in bf16 under bf16
-        (Precision.convert_frozen)."""
-        if ref_model is None:
-            return None
-        return self.strategy.place_frozen(self.precision.convert_frozen(ref_model), self.device)
-
-    def method_metrics(self) -> dict:
-        return self.objective.take_metrics(self.group)
-
-    def _evaluator(self):
-        # A batch that a rank repeats only to keep in step with its peers counts in no
-        # metric: its loss is already weighted 0 in eval_loss, and the objective skips its sums.
-        return dataclasses.replace(super()._evaluator(), uncounted=self.objective.uncounted)
-
-    def evaluate(self, eval_dataset=None) -> dict:
-        """eval_loss (the mean over pairs) and the metrics with eval_ names. Pairs without
-        reference log-probs once the reference is freed (precompute_ref_log_probs, after train)
-        take them from the cache, else the error says what to do."""
-        objective = self.objective
-        pairs = _encoded(eval_dataset, self.processing_class, self.args)
-        if pairs and not objective.has_reference and not _carries_reference(pairs):
-            with self._model_on_device():
-                pairs = self.precompute_reference(pairs)
-        training = objective.sums, objective.pairs  # summed since the last log: kept for it
-        objective.sums, objective.pairs = None, 0
-        try:
-            metrics = super().evaluate(pairs)
-            metrics.pop("eval_perplexity", None)  # exp of a DPO loss means nothing
-            return {**metrics, **objective.take_metrics(self.group, prefix="eval_")}
-        finally:
-            objective.sums, objective.pairs = training
-
-    def train(self, resume_from_checkpoint: str | None = None):
-        if self.args.precompute_ref_log_probs:
-            # Every split that will be evaluated, as TRL does (train and eval): the frozen
-            # reference is freed only once no split needs it.
-            with self._model_on_device():
-                self.train_dataset = self.precompute_reference(self.train_dataset)
-                if self.eval_dataset:
-                    self.eval_dataset = self.precompute_reference(self.eval_dataset)
-            self.objective.reference = None  # no longer needed: free its memory
-        return super().train(resume_from_checkpoint)
+    def precompute_forwards(self) -> int:
+        """Reference forwards run to precompute the pairs' log-probs."""
+        return self.objective.precompute_forwards
 
     def precompute_reference(self, pairs: list[dict]) -> list[dict]:
-        """`pairs` with the reference's log-probabilities, computed once (every rank, in the same
-        batches) and cached under output_dir/.cache by the pairs, the reference and the tokenizer;
-        read from there when present (0 reference forwards)."""
-        cache = Path(self.args.output_dir) / ".cache" / f"dpo-ref-{self._cache_key(pairs)}.npy"
-        values = _read_logps(cache, len(pairs))
-        if values is None:
-            values = self._reference_pass(pairs)
-            self.precompute_forwards += self.objective.reference_forwards
-            self.objective.reference_forwards = 0  # those counted from here on are training's
-            if self.group.is_main:
-                _write_logps(cache, values)
-            self.group.barrier()
-        return [{**pair, REF_KEYS[0]: float(c), REF_KEYS[1]: float(r)}
-                for pair, (c, r) in zip(pairs, values)]
-
-    def _reference_pass(self, pairs: list[dict]) -> np.ndarray:
-        size, values = self.args.per_device_eval_batch_size, []
-        module = self.wrapped
-        self.model.eval()
-        try:
-            for start in range(0, len(pairs), size):
-                batch = self.collate([{k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-                                      for p in pairs[start:start + size]])
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                with self._forward_context():
-                    logps = self.objective.reference_logps(module, batch)
-                self.accelerator.mark_step()
-                values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
-        finally:
-            self.model.train()
-        return np.concatenate(values).astype(np.float64)
-
-    def _cache_key(self, pairs: list[dict]) -> str:
-        digest = hashlib.sha256()
-        for pair in pairs:
-            for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
-                digest.update(np.asarray(pair[key], dtype=np.int64).tobytes() + b"|")
-        tokenizer = self.processing_class
-        digest.update(repr((self.ref_key, str(self.precision.compute_dtype),
-                            getattr(tokenizer, "name_or_path", None), len(tokenizer or ()),
-                            getattr(tokenizer, "chat_template", None))).encode())
-        return digest.hexdigest()[:24]
+        """The pairs with the reference's log-probs (PreferenceObjective.precompute_reference)."""
+        return self.objective.precompute_reference(pairs)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from ..execution.precision import select_precision
 from . import evaluation
 from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
 from .intervals import BestCheckpoint, Intervals, total_steps_of
-from .loss import TokenCount
+from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS, PackedInputs
 from .signals import StopSignals
@@ -67,7 +67,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None,
-                 compute_metrics=None, callbacks=None, processing_class=None,
+                 compute_metrics=None, callbacks=None, processing_class=None, objective=None,
                  **unsupported) -> None:
         check_trainer_kwargs(unsupported, _KEYWORDS)  # Hugging Face's names: one line on what to use
         # those added to every trainer (callbacks.added_to_every_trainer), then the caller's
@@ -118,7 +118,9 @@ class Trainer:
         apply_activation_checkpointing(self.model, self.settings.activation_checkpointing)  # before the strategy wraps it
         self.inputs = model_input_names(model)
         self.packed = PackedInputs(model, self.precision, self.inputs)  # seq_lens -> block mask (packed.py)
-        self.count_tokens = TokenCount(model)
+        # the training method (objective.py): language modelling unless a method says otherwise
+        self.objective = objective if objective is not None else Objective()
+        self.count_tokens = self.objective.count_tokens(model)
         self.context_parallel = self._context_parallel()
         self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts; fsdp shards
         if self.args.use_graphs_for_training:
@@ -137,6 +139,7 @@ class Trainer:
         self._stop_signal: int | None = None  # the signal the ranks agreed to stop for
         self._stopping = False  # the ranks agreed to stop after the current step
         self.best = BestCheckpoint(self.settings.schedule, {})
+        self.objective.bind(self._loop())
 
     # -- the training loop ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
@@ -148,6 +151,9 @@ class Trainer:
             self.group.barrier()
             self._signals.install()  # after the barrier: see signals.py
             with self._model_on_device():
+                # what the method prepares beside the model (DPO's precomputed reference)
+                self.train_dataset, self.eval_dataset = self.objective.prepare(self.train_dataset,
+                                                                               self.eval_dataset)
                 return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
         finally:
             self._signals.restore()
@@ -301,10 +307,15 @@ class Trainer:
         if self.group.is_main:
             show_message(self.callbacks, text)
 
+    @property
+    def _compute_loss(self):
+        """The user's compute_loss, else the method's (None: the model's own loss)."""
+        return self.compute_loss if self.compute_loss is not None else self.objective.compute_loss
+
     def _loss(self, batch, module=None, **loss_kwargs) -> torch.Tensor:
         module = self.wrapped if module is None else module
-        if self.compute_loss is not None:
-            return self.compute_loss(module, batch)
+        if self._compute_loss is not None:
+            return self._compute_loss(module, batch)
         return loss_of(self._forward(batch, module, **loss_kwargs))
 
     def _micro_batch_loss(self, batch, count: int) -> torch.Tensor:
@@ -312,7 +323,7 @@ class Trainer:
         the global batch's `_step_tokens` counted tokens, times the number of ranks, because the
         strategy averages gradients over ranks where the loss wants their sum."""
         total, ranks = max(self._step_tokens, 1), self.group.world_size
-        takes_count = (self.count_tokens.takes_item_count and self.compute_loss is None
+        takes_count = (self.count_tokens.takes_item_count and self._compute_loss is None
                        and isinstance(batch, dict) and "labels" in batch)
         if takes_count:  # the model divides its summed loss by the global count itself
             loss = self._loss(batch, num_items_in_batch=self._on_device_scalar(total, torch.int64))
@@ -356,6 +367,8 @@ class Trainer:
         """The collator on samples without the columns the model does not take (a text column
         above all): the Hugging Face Trainer's remove_unused_columns. A data.py object, not a
         method of the Trainer, so that data workers started by spawn pickle the collator alone."""
+        if self.objective.collate is not None:
+            return self.objective.collate  # the method builds the model's inputs itself
         dropping = self.inputs is not None and self.args.remove_unused_columns
         keep = self.inputs | LABEL_NAMES | PACKING_KEYS if dropping else None
         return DropUnusedColumns(self.collate, keep)
@@ -431,7 +444,7 @@ class Trainer:
     def method_metrics(self) -> dict:
         """What a training method adds to each logging record, over the steps since the last one
         (DPO's rewards and log-probs: training/dpo.py); language modelling adds nothing."""
-        return {}
+        return self.objective.metrics(self.group)
 
     def _agree_before_save(self, logged_loss: torch.Tensor, steps: int) -> None:
         """Before a save, one more agreement (_agree): the loss summed since the last log must be
@@ -458,7 +471,13 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise InputError("evaluate() needs an eval_dataset")
-        return evaluation.evaluate(self._evaluator(), dataset)
+        objective = self.objective
+        dataset = objective.eval_dataset(dataset)  # DPO: pairs encoded, reference log-probs
+        with objective.evaluating():  # training's sums since the last log kept aside
+            metrics = evaluation.evaluate(self._evaluator(), dataset)
+            if not objective.has_perplexity:
+                metrics.pop("eval_perplexity", None)
+            return {**metrics, **objective.metrics(self.group, prefix="eval_")}
 
     def predict(self, test_dataset) -> PredictionOutput:
         """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist
@@ -469,13 +488,14 @@ class Trainer:
         """Evaluation's collaborators, from this trainer (evaluation.py reads nothing else)."""
         return evaluation.Evaluator(
             model=self.model, module=self._inference_module, forward=self._forward,
-            compute_loss=self.compute_loss, compute_metrics=self.compute_metrics,
+            compute_loss=self._compute_loss, compute_metrics=self.compute_metrics,
             collate=self._collate, batch_size=self.args.per_device_eval_batch_size,
             seed=self.args.seed, group=self.group, lockstep=self.strategy.forward_is_collective,
             device=self.device, non_blocking=self.args.non_blocking_data_copy,
             on_host=self._on_host, count_tokens=self.count_tokens,
             device_scalar=self._on_device_scalar, forward_context=self._forward_context,
-            mark_step=self.accelerator.mark_step, on_device=self._model_on_device)
+            mark_step=self.accelerator.mark_step, on_device=self._model_on_device,
+            uncounted=self.objective.uncounted)
 
     def _evaluate_during_training(self) -> None:
         metrics = self.evaluate()
@@ -503,14 +523,29 @@ class Trainer:
                 move_to_device(self.model, host)
 
     # -- pieces of set-up ----------------------------------------------------------------------
+    def _loop(self) -> Loop:
+        """The handles the training method may use (objective.py), instead of this Trainer."""
+        return Loop(model=self.model, module=self.wrapped, device=self.device, group=self.group,
+                    args=self.args, accelerator=self.accelerator, precision=self.precision,
+                    sharded=self.strategy.shards_state, inputs=self.inputs,
+                    forward_context=self._forward_context, on_device=self._model_on_device,
+                    place_frozen=self._place_frozen, device_scalar=self._on_device_scalar)
+
+    def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen module (a reference) on this rank's device in the policy's precision, sharded
+        like the policy under fsdp (whose forward is a collective), stored in bf16 under bf16
+        (Precision.convert_frozen)."""
+        return self.strategy.place_frozen(self.precision.convert_frozen(module), self.device)
+
     def train_batches(self) -> MicroBatches:
         """The run's batch source, as train() iterates it (the doctor walks it without the model)."""
         if self.train_dataset is None:
             raise InputError("train() needs a train_dataset")
-        return MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
-                            self.args.gradient_accumulation_steps, self.group.dp_rank,
-                            self.group.dp_size, self.args.seed, loading=self._loading(),
-                            agree=self.group.host_sum)  # a rank-local stream's passes end together
+        batches = MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
+                               self.args.gradient_accumulation_steps, self.group.dp_rank,
+                               self.group.dp_size, self.args.seed, loading=self._loading(),
+                               agree=self.group.host_sum)  # a rank-local stream's passes end together
+        return self.objective.train_batches(batches)  # GRPO: rollouts made from these prompts
 
     def _loading(self) -> LoaderOptions:
         """How batches are loaded: worker processes, pinned memory (only where the device copies
