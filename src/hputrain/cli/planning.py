@@ -74,6 +74,7 @@ def _dpo_step(recipe, options, step):
                                           lora_alpha=None, lora_dropout=None,
                                           lora_target_modules=None)
         reference = StepModel(**recipe.step_model(ref_options)).build
+    options = recipe.method_options(options, "dpo")  # DPO's beta and loss_type where not given
     return dpo_step(step, options, (lambda: reference(False)) if reference else None)
 
 

@@ -68,10 +68,11 @@ def preference_values(options) -> dict:
 
 
 def preference_flags_given(options) -> list[str]:
-    """The PreferenceOptions fields `options` sets away from their defaults."""
+    """The PreferenceOptions fields `options` sets away from their defaults (None: not set, where
+    a field is shared with another method and defaults by method: the recipe's beta)."""
     defaults = PreferenceOptions()
     return [name for name, value in preference_values(options).items()
-            if value != getattr(defaults, name)]
+            if value is not None and value != getattr(defaults, name)]
 
 
 @_refuse_unknown_keywords

@@ -106,9 +106,71 @@ DPO_CONFIG = {
                         "(hputrain train --dataset-num-proc N tokenizes once per node, in N processes)",
 }
 """TRL's DPOConfig names DPOConfig does not take, beside the Trainer's (TRAINING_ARGUMENTS)."""
+_VLLM = ("is not there: vLLM is not used; generation runs on hputrain's static-shape engine (a "
+         "static KV cache, the decode step one graph)")
+_ENGINE = "is not needed: generation runs on hputrain's static-shape engine (a static KV cache)"
+_GRPO_NOT_HERE = ("is not computed here (hputrain's GRPO: beta, epsilon, epsilon_high, delta, "
+                  "loss_type dapo, grpo, bnpo or dr_grpo)")
+_COMPLETIONS = "is not needed: hputrain writes every completion to output_dir/completions.jsonl"
+_TOOLS = "is not supported: completions are generated in one turn (no tool calls)"
+_REFERENCE = "is not supported: the reference stays the starting weights (used when beta > 0)"
+_TRL_MODEL = "is not taken: pass the model itself"
+GRPO_CONFIG = {
+    **{name: _VLLM for name in """use_vllm vllm_mode vllm_model_impl vllm_enable_sleep_mode
+        vllm_structured_outputs_regex vllm_server_base_url vllm_server_host vllm_server_port
+        vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization vllm_max_model_length
+        vllm_tensor_parallel_size vllm_importance_sampling_correction vllm_importance_sampling_mode
+        vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min
+        vllm_importance_sampling_cap vllm_guided_decoding_regex vllm_device vllm_dtype""".split()},
+    **{name: _ENGINE for name in """use_transformers_continuous_batching
+        transformers_continuous_batching_config use_transformers_paged cache_implementation""".split()},
+    **{name: _GRPO_NOT_HERE for name in """sapo_temperature_neg sapo_temperature_pos vespo_k_pos
+        vespo_lambda_pos vespo_k_neg vespo_lambda_neg top_entropy_quantile entropy_coef
+        use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target
+        off_policy_mask_threshold""".split()},
+    **{name: _COMPLETIONS for name in """log_completions log_multimodal num_completions_to_print
+        log_unique_prompts wandb_log_unique_prompts""".split()},
+    "log_completions_hub_repo": _HUB,
+    "tools": _TOOLS, "max_tool_calling_iterations": _TOOLS,
+    "sync_ref_model": _REFERENCE, "ref_model_mixup_alpha": _REFERENCE, "ref_model_sync_steps": _REFERENCE,
+    "generation_kwargs": "is not taken: sampling is set by temperature, top_p, top_k, min_p and "
+                         "repetition_penalty",
+    "chat_template_kwargs": f"{_YET}: conversational prompts go through the tokenizer's chat "
+                            "template with its defaults",
+    "num_generations_eval": f"{_YET}: evaluation samples num_generations completions per prompt",
+    "max_prompt_length": "is prompt_buckets here: a prompt is padded to the nearest bucket, the "
+                         "largest bounds its length",
+    "model_init_kwargs": _TRL_MODEL, "trust_remote_code": _TRL_MODEL,
+    "router_aux_loss_coef": _YET, "cast_lm_head_to_fp32": _YET,
+    "use_liger_loss": "is not needed: log-probs are taken on completion positions only, in chunks",
+    "ds3_gather_for_generation": "is not needed: DeepSpeed is not used (strategy='fsdp' gathers "
+                                 "the weights it generates with)",
+    "shuffle_dataset": f"{_YET}: the training prompts are shuffled with seed",
+}
+"""TRL's GRPOConfig names GRPOConfig does not take, beside the Trainer's (TRAINING_ARGUMENTS)."""
+GRPO_TRAINER_KWARGS = {
+    "tools": _TOOLS,
+    "rollout_func": "is not supported: completions come from hputrain's static-shape engine",
+    "environment_factory": _TOOLS,
+    "quantization_config": "is not supported: load the model in the precision to train (bf16=True)",
+}
+"""TRL's GRPOTrainer keywords that hputrain's GRPO trainer does not take, beside TRAINER_KWARGS."""
+REWARD_CONFIG = {
+    "model_init_kwargs": _TRL_MODEL, "trust_remote_code": _TRL_MODEL,
+    "chat_template_path": "is not taken: give processing_class a tokenizer with its chat_template "
+                          "set (hputrain train --chat-template FILE)",
+    "dataset_num_proc": "is not taken: the reward trainer encodes the rows it is given in the main "
+                        "process (hputrain train --dataset-num-proc N tokenizes once per node)",
+    "eos_token": "is not taken: the tokenizer's eos_token ends each sequence",
+    "pad_token": "is not taken: set tokenizer.pad_token (TRL deprecates it too)",
+    "activation_offloading": f"{_YET}: gradient_checkpointing=True saves activation memory",
+}
+"""TRL's RewardConfig names RewardConfig does not take, beside the Trainer's (TRAINING_ARGUMENTS)."""
 # by the class name of the settings dataclass the names are refused in
 FOREIGN_NAMES = {"TrainingArguments": TRAINING_ARGUMENTS,
                  "DPOConfig": {**TRAINING_ARGUMENTS, **DPO_CONFIG}}
+FOREIGN_NAMES["GRPOConfig"] = {**TRAINING_ARGUMENTS, **GRPO_CONFIG}
+FOREIGN_NAMES["RewardConfig"] = {**TRAINING_ARGUMENTS, **REWARD_CONFIG}
 
 OPTIMIZERS = {name: f"{_YET}: hputrain trains with AdamW ({', '.join(names.OPTIMIZERS)})" for name in
                   """adamw_hf adamw_torch_xla adamw_torch_npu_fused adamw_apex_fused adafactor

@@ -164,6 +164,15 @@ class ProcessGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.host_group)
         return tensor.tolist()
 
+    def gather_objects(self, value) -> list:
+        """Every rank's `value` (picklable host data: rewards, texts), in rank order, on every
+        rank (one Gloo all-gather on the host group)."""
+        if not self.distributed:
+            return [value]
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value, group=self.host_group)
+        return values
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

@@ -14,20 +14,33 @@ import warnings
 from pathlib import Path
 
 from ..config.fields import ConfigError, check_choice
-from ..config.preference import DPO_DEFAULTS, PreferenceOptions, check_preference
+from ..config.grpo import GRPO_DEFAULTS, GRPOOptions, check_grpo, grpo_flags_given
+from ..config.preference import (DPO_DEFAULTS, PreferenceOptions, check_preference,
+                                 preference_flags_given)
 from ..errors import InputError, did_you_mean
 from .hf_adapters import (adapter_base, continued_rank, is_adapter_folder, load_adapter,
                           tokenizer_folder, tokenizer_source)
 
-METHOD_NAMES = ("auto", "lm", "sft", "dpo")
+METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
 """--method's values."""
 MISPLACED = "needs --model DIR (a Hugging Face model folder to fine-tune)"
 """What is said of one of these options given without --model (to the built-in GPT recipe)."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class HFOptions(PreferenceOptions):
-    """The Hugging Face recipe's own settings, beside TrainingArguments (and DPO's, inherited)."""
+class HFOptions(GRPOOptions, PreferenceOptions):
+    """The Hugging Face recipe's own settings, beside TrainingArguments (and DPO's and GRPO's,
+    inherited: `beta` and `loss_type` are both methods' names, resolved by `method_options`)."""
+
+    beta: float | None = None
+    """DPO: how far the policy may move from the reference (default 0.1); GRPO: the weight of
+    the KL penalty to the reference (default 0.0: no reference)."""
+    loss_type: str | None = None
+    """DPO: sigmoid (default), ipo, hinge, robust; GRPO: dapo (default), grpo, bnpo, dr_grpo."""
+    reward_funcs: list[str] | None = None
+    """GRPO: the rewards, each FILE.py:NAME (a function f(prompts, completions, completion_ids,
+    **columns) -> list of floats or None, TRL's signature) or a reward-model folder; a data set of
+    prompts with --reward-funcs trains with GRPO."""
 
     model: str | None = None
     """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune, or a
@@ -40,7 +53,8 @@ class HFOptions(PreferenceOptions):
     column (causal LM) or chat / instruction columns (SFT: messages, conversations, prompt + completion)."""
     method: str = "auto"
     """What to train: auto (from the data's columns), lm (causal LM on text), sft (chat and
-    instruction rows) or dpo (preference pairs: prompt, chosen, rejected)."""
+    instruction rows), dpo (preference pairs: prompt, chosen, rejected), grpo (prompts, rewarded
+    by --reward-funcs) or reward (a reward model, on preference pairs)."""
     ref_model: str | None = None
     """DPO: a local model folder (or adapter folder) as the reference; unset means the adapter-disabled base under
     LoRA, else a frozen copy of the starting weights."""
@@ -81,6 +95,9 @@ class HFOptions(PreferenceOptions):
     """Dropout on the LoRA path; unset means 0.05."""
     lora_target_modules: list[str] | None = None
     """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else all-linear."""
+    center_rewards_coefficient: float | None = None
+    """--method reward: add this times the squared sum of each pair's two rewards to the loss,
+    which keeps rewards centred on 0 (TRL's name; 0.01 in the paper that proposed it)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -93,7 +110,10 @@ class HFOptions(PreferenceOptions):
             raise ConfigError("validation_split_percentage must be in [0, 100), got "
                               f"{self.validation_split_percentage}")
         check_choice("method", self.method, METHOD_NAMES)
-        check_preference(self)
+        if self.center_rewards_coefficient is not None and (
+                self.method != "reward" or self.center_rewards_coefficient < 0):
+            raise ConfigError("--center-rewards-coefficient is for --method reward and must not be "
+                              f"negative, got {self.center_rewards_coefficient} with --method {self.method}")
         if self.lora_r is not None and self.lora_r < 1:
             raise ConfigError(f"lora_r must be at least 1, got {self.lora_r}")
         given = [n for n in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(self, n) is not None]
@@ -130,10 +150,13 @@ def method_defaults(options: HFOptions) -> dict:
     from .hf_data import columns_of
 
     try:
-        dpo = options.method == "dpo" or (options.method == "auto"
-                                           and is_preference(columns_of(options.dataset) or []))
+        columns = columns_of(options.dataset) or []
     except (InputError, OSError):
         return {}
+    if options.method == "grpo" or (options.method == "auto" and is_prompts(columns)
+                                    and options.reward_funcs):
+        return dict(GRPO_DEFAULTS)
+    dpo = options.method == "dpo" or (options.method == "auto" and is_preference(columns))
     return dict(DPO_DEFAULTS) if dpo else {}
 
 
@@ -157,6 +180,10 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         data_kind(options)  # the data's shape checked once, here, in one line
         return relaunch_current_program(training_args.devices, training_args.num_nodes)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
+    if options.method == "reward":  # a sequence-classification model on pairs (hf_reward.py)
+        from .hf_reward import run_reward
+
+        return run_reward(options, training_args, accelerator_config, folder)
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
     from .hf_sharded import loads_sharded
@@ -165,16 +192,25 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
                                   trainable=True, sharded=sharded)
     check_vocabulary(model, tokenizer, folder)
-    dpo = data_kind(options) == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
+    kind = data_kind(options)
+    options = method_options(options, kind)  # beta and loss_type: the method's own defaults
+    dpo = kind == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
+    # GRPO needs one only with a KL penalty (beta > 0)
+    referenced = dpo or (kind == "grpo" and options.beta > 0)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
-                  if dpo and options.ref_model else None)
+                  if referenced and options.ref_model else None)
     ref_model = (load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
                             merge=True, sharded=sharded)[0] if ref_folder is not None else None)
-    if dpo and ref_model is None and not options.lora_r:  # the starting weights, frozen
+    if referenced and ref_model is None and not options.lora_r:  # the starting weights, frozen
         ref_model = copy.deepcopy(model)
     if options.lora_r and not is_adapter_folder(folder):
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    if kind == "grpo":
+        from .hf_grpo import run_grpo
+
+        return run_grpo(options, training_args, accelerator_config, folder, model, tokenizer,
+                        ref_model, ref_folder)
     if dpo:
         from .hf_dpo import run_dpo
 
@@ -216,26 +252,73 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
 
 def data_kind(options: HFOptions) -> str:
-    """"dpo" for preference pairs, else "lm_or_sft" (load_data tells those apart): from the
-    data's columns, checked against --method and the DPO flags."""
-    from ..config.preference import preference_flags_given
+    """"dpo" for preference pairs, "grpo" for prompts to reward, else "lm_or_sft" (load_data
+    tells those apart): from the data's columns, checked against --method and the flags each
+    method alone takes."""
     from ..data.preference import is_preference
     from .hf_data import columns_of
 
     columns = columns_of(options.dataset) or []
-    kind = "dpo" if is_preference(columns) else "lm_or_sft"
+    kind = ("dpo" if is_preference(columns) else
+            "grpo" if is_prompts(columns) and (options.reward_funcs or options.method == "grpo")
+            else "lm_or_sft")
+    found = ", ".join(map(str, columns)) or "no columns (plain text)"
     if options.method == "dpo" and kind != "dpo":
         raise InputError(f"--method dpo needs preference rows ('chosen' and 'rejected', and "
-                         f"'prompt'); --dataset {options.dataset} has: "
-                         f"{', '.join(map(str, columns)) or 'no columns (plain text)'}")
+                         f"'prompt'); --dataset {options.dataset} has: {found}")
+    if options.method == "grpo" and kind != "grpo":
+        raise InputError(f"--method grpo needs rows with a 'prompt' and no completion (the model "
+                         f"writes it); --dataset {options.dataset} has: {found}")
+    if kind == "grpo" and not options.reward_funcs:
+        raise InputError("GRPO needs --reward-funcs FILE.py:NAME [...] (functions with TRL's "
+                         "signature) or a reward-model folder")
     if options.method in ("lm", "sft") and kind == "dpo":
         raise InputError(f"--method {options.method}: --dataset {options.dataset} holds preference "
                          "pairs (chosen, rejected): train them with --method dpo (or auto)")
-    given = preference_flags_given(options) + (["ref_model"] if options.ref_model else [])
-    if kind != "dpo" and given:
-        raise InputError(f"--{given[0].replace('_', '-')} is for preference pairs (DPO), and "
-                         f"--dataset {options.dataset} holds none")
+    _refuse_other_methods_flags(options, kind)
     return kind
+
+
+def is_prompts(columns) -> bool:
+    """Rows of prompts alone (GRPO's): a 'prompt' and no completion, pair or conversation."""
+    columns = set(map(str, columns))
+    return "prompt" in columns and not columns & {"completion", "chosen", "rejected", "messages",
+                                                   "conversations"}
+
+
+def _refuse_other_methods_flags(options: HFOptions, kind: str) -> None:
+    """A flag of DPO's or GRPO's given for data another method trains: one line."""
+    dpo_only = [n for n in preference_flags_given(options) if n not in ("beta", "loss_type")]
+    dpo_only += ["ref_model"] if options.ref_model and kind != "grpo" else []
+    grpo_only = [n for n in grpo_flags_given(options) if n not in ("beta", "loss_type")]
+    grpo_only += ["reward_funcs"] if options.reward_funcs else []
+    shared = [n for n in ("beta", "loss_type") if getattr(options, n) is not None]
+    if kind != "dpo" and dpo_only:
+        raise InputError(f"--{dpo_only[0].replace('_', '-')} is for preference pairs (DPO), and "
+                         f"--dataset {options.dataset} holds none")
+    if kind != "grpo" and grpo_only:
+        raise InputError(f"--{grpo_only[0].replace('_', '-')} is for prompts rewarded by "
+                         f"--reward-funcs (GRPO), and --dataset {options.dataset} holds "
+                         + ("preference pairs" if kind == "dpo" else "no prompt-only rows"))
+    if kind == "lm_or_sft" and shared:
+        raise InputError(f"--{shared[0].replace('_', '-')} is for DPO (preference pairs) or GRPO "
+                         f"(prompts with --reward-funcs), and --dataset {options.dataset} holds "
+                         "neither")
+
+
+def method_options(options: HFOptions, kind: str) -> HFOptions:
+    """`options` with beta and loss_type set to the method's defaults where not given (TRL's:
+    DPO 0.1 and sigmoid, GRPO 0.0 and dapo), and the method's settings checked (one line)."""
+    dpo, grpo = PreferenceOptions(), GRPOOptions()
+    defaults = grpo if kind == "grpo" else dpo
+    resolved = dataclasses.replace(
+        options, beta=defaults.beta if options.beta is None else options.beta,
+        loss_type=defaults.loss_type if options.loss_type is None else options.loss_type)
+    try:
+        (check_grpo if kind == "grpo" else check_preference)(resolved)
+    except ConfigError as error:
+        raise InputError(str(error)) from None
+    return resolved
 
 
 def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):

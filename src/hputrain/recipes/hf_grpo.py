@@ -1,0 +1,76 @@
+"""`hputrain train --model DIR --dataset prompts.jsonl --reward-funcs FILE.py:NAME`: online RL
+fine-tuning (GRPO, training/grpo.py) of a local Hugging Face model on rows with a `prompt` (text,
+or TRL's conversational form), every other column going to the reward functions.
+
+The reference (only with --beta > 0): the adapter-disabled base under --lora-r, --ref-model DIR,
+else a frozen copy of the starting weights. The output is what `hputrain train` writes for SFT
+and DPO: final/ with the tokenizer, or the PEFT adapter; completions.jsonl holds what was
+generated and how it was rewarded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config.grpo import GRPOConfig, grpo_values
+from ..errors import InputError
+from . import hf_data
+
+
+def run_grpo(options, training_args, accelerator_config, folder: Path, model, tokenizer,
+             ref_model, ref_folder: Path | None) -> int:
+    """Train `model` (LoRA already added under --lora-r) with GRPO on --dataset's prompts."""
+    from ..training.grpo import GRPOTrainer
+    from .finish import report_outputs, save_final, write_recipe
+    from .hf_sft import use_chat_template
+
+    use_chat_template(tokenizer, options.chat_template)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # prompts are left-padded
+    rows = [row for _, row in hf_data.records(options.dataset, hf_data.TRAIN_SPLIT)]
+    if not rows:
+        raise InputError(f"--dataset {options.dataset} holds no prompt")
+    values = {k: v for k, v in dataclasses.asdict(training_args).items()}
+    config = GRPOConfig(**values, **grpo_values(options))
+    trainer = GRPOTrainer(model, config, reward_funcs=options.reward_funcs, train_dataset=rows,
+                          processing_class=tokenizer, ref_model=ref_model,
+                          accelerator_config=accelerator_config)
+    if trainer.group.is_main:
+        print(_header(options, model, trainer, len(rows), ref_folder))
+    output = trainer.train()
+    final = save_final(trainer, output)
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(training_args.output_dir, {"recipe": dataclasses.asdict(options), "method": "grpo"})
+    status = report_outputs(trainer, output)
+    if status is None and final is not None:
+        print(f"completions and their rewards: {Path(training_args.output_dir) / 'completions.jsonl'}")
+    return status or 0
+
+
+def _header(options, model, trainer, rows: int, ref_folder) -> str:
+    objective, config = trainer.objective, trainer.args
+    layout = objective.layout
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if config.beta == 0:
+        reference = "none (beta 0)"
+    elif ref_folder is not None:
+        reference = f"--ref-model {ref_folder}"
+    elif objective.adapters is not None:
+        reference = "the base model with the LoRA adapters disabled"
+    else:
+        reference = "a frozen copy of the starting weights"
+    weights = ", ".join(f"{n} x{w:g}" for n, w in zip(objective.reward_funcs.names,
+                                                      objective.reward_funcs.weights.tolist()))
+    return (f"hputrain: {type(model).__name__} from {options.model}: {total:,} parameters, "
+            f"{trainable:,} trained\n"
+            f"hputrain: method: GRPO on prompts, rewards: {weights}\n"
+            f"hputrain: loss {config.loss_type}, beta {config.beta:g}, epsilon {config.epsilon:g}; "
+            f"reference: {reference}\n"
+            f"hputrain: {rows} rows, {len(objective.kept)} prompts, {objective.left_out} left out "
+            f"(longer than the largest prompt bucket, {max(config.prompt_buckets)} tokens)\n"
+            f"hputrain: {config.num_generations} completions of {config.max_completion_length} "
+            f"tokens per prompt; generation batch {layout.generation_rows} completions "
+            f"({layout.prompts_per_generation} prompts) every {layout.micro_per_generation} "
+            f"micro-batch(es); temperature {config.temperature:g}\n")

@@ -1,0 +1,349 @@
+"""Group relative policy optimisation (GRPO), as TRL 1.16 computes it, as an objective of the loop.
+
+A generation batch of prompts (rollout.py) gets `num_generations` completions each from the
+static-shape generator (execution/generation.py: prompts in a few length buckets, completions to
+max_completion_length, the decode step one captured graph, sampling on the device), which are
+decoded on the host once per rollout for the reward functions (rewards.py: TRL's signature, or a
+reward-model folder). Rewards gathered from every rank are normalised within each prompt's group
+into advantages (grpo_loss.group_advantages). The training forward then sees
+[rows, prompt bucket + max_completion_length] every step; the per-token log-probs are taken on
+completion positions only, in chunks (logps.py), and the loss is TRL's for the chosen loss_type
+(grpo_loss.grpo_loss).
+
+How the loop weighs a micro-batch (trainer.py `_micro_batch_loss`): each counts as one unit, so a
+micro-batch's loss is divided by the step's micro-batches over every rank and the strategy's
+gradient mean; `grpo_loss` is therefore called as for one micro-batch with no accumulation, which
+gives exactly TRL's scaling for every loss type (dapo's token normaliser included).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..config.grpo import GRPOConfig, generation_layout
+from ..errors import InputError
+from ..execution.generation import Sampling, StaticGenerator
+from .grpo_loss import METRIC_SLOTS, group_advantages, grpo_loss, metric_means, reward_metrics
+from .logps import token_logps
+from .objective import Objective
+from .rewards import CompletionsLog, RewardFunctions, completion_for, conversational
+from .rollout import Layout, Rollouts
+from .trainer import Trainer
+
+IGNORE_INDEX = -100
+
+
+def encode_prompts(rows: list[dict], tokenizer, longest: int) -> tuple[list[int], list[list[int]]]:
+    """(indices of the rows kept, their prompts' token ids): text prompts tokenized as TRL does
+    (the tokenizer's own special tokens), conversations through the chat template with its
+    generation prompt. A prompt longer than `longest` (the largest bucket) is left out."""
+    kept, ids = [], []
+    for index, row in enumerate(rows):
+        if "prompt" not in row:
+            raise InputError(f"row {index + 1} has no 'prompt' (GRPO needs prompts: text or messages)")
+        prompt = row["prompt"]
+        if conversational(prompt):
+            tokens = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            tokens = tokens["input_ids"] if isinstance(tokens, dict) or hasattr(tokens, "keys") else tokens
+        elif isinstance(prompt, str):
+            tokens = tokenizer(prompt)["input_ids"]
+        else:
+            raise InputError(f"row {index + 1}: 'prompt' is neither text nor a list of messages")
+        if 0 < len(tokens) <= longest:
+            kept.append(index)
+            ids.append(list(tokens))
+    return kept, ids
+
+
+class RolloutCount:
+    """What a GRPO step's loss is weighed by: each micro-batch counts one (see the module
+    docstring); throughput's samples are completions and its tokens the prompt and completion
+    tokens (counted on the host during the rollout: no device read)."""
+
+    takes_item_count = False
+    shifts_labels = False
+
+    def __call__(self, batch) -> int:
+        return 1
+
+    def samples(self, batch) -> int:
+        return int(batch["advantages"].shape[0])
+
+    def seen(self, batches: list, counts: list[int]) -> int:
+        return sum(batch["seen_tokens"] for batch in batches)
+
+
+class GRPOObjective(Objective):
+    """GRPO's rollout, loss and metrics (see the module docstring)."""
+
+    has_perplexity = False
+
+    def __init__(self, config: GRPOConfig, reward_funcs, rows: list[dict], tokenizer, *,
+                 reference=None, adapters=None, complete=None) -> None:
+        self.config, self.rows, self.tokenizer = config, rows, tokenizer
+        self.reward_funcs = reward_funcs
+        self.reference, self.adapters = reference, adapters
+        self.complete = complete  # a test's fixed completions: (generation, prompt ids) -> ids
+        self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
+                                 top_k=config.top_k, min_p=config.min_p,
+                                 repetition_penalty=config.repetition_penalty).check()
+        buckets = tuple(config.prompt_buckets)
+        self.kept, self.prompt_ids = encode_prompts(rows, tokenizer, max(buckets))
+        self.left_out = len(rows) - len(self.kept)
+        if not self.kept:
+            raise InputError(f"no prompt is left to train on: every one is empty or longer than the "
+                             f"largest prompt bucket ({max(buckets)} tokens)")
+        self.sums: torch.Tensor | None = None
+        self.rollout_metrics: list[dict] = []
+        self.generation_seconds, self.since = 0.0, time.perf_counter()
+
+    def bind(self, loop) -> None:
+        super().bind(loop)
+        cfg, group = self.config, loop.group
+        if group.cp_size > 1:
+            raise InputError("GRPO under context parallelism is not supported: set "
+                             "context_parallel_size=1")
+        size, steps = generation_layout(cfg, cfg.per_device_train_batch_size,
+                                        cfg.gradient_accumulation_steps, group.dp_size)
+        self.layout = Layout(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                             group.dp_size, group.dp_rank, cfg.num_generations, steps,
+                             cfg.num_iterations)
+        if not isinstance(self.reward_funcs, RewardFunctions):
+            self.reward_funcs = RewardFunctions(self.reward_funcs, cfg.reward_weights,
+                                                device=loop.device)
+        if self.reference is not None:
+            self.reference = loop.place_frozen(self.reference)
+        tokenizer = self.tokenizer
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.pad = pad
+        self.generator = StaticGenerator(loop.model, loop.accelerator,
+                                         max_completion_length=cfg.max_completion_length,
+                                         eos_token_ids=[eos], pad_token_id=pad,
+                                         buckets=tuple(cfg.prompt_buckets),
+                                         graphs=getattr(cfg, "use_graphs_for_generation", False))
+        self.log = (CompletionsLog(f"{cfg.output_dir}/completions.jsonl") if group.is_main else None)
+
+    def count_tokens(self, model):
+        return RolloutCount()
+
+    def train_batches(self, batches):
+        return Rollouts(len(self.kept), self.layout, self.config.seed, self.rollout, self.loop.device)
+
+    # -- a rollout --------------------------------------------------------------------------------
+    def rollout(self, generation: int, rows: list[int]) -> list[dict]:
+        """This rank's micro-batches of generation batch `generation`, whose rows (indices into
+        the kept prompts, each num_generations times) are `rows`."""
+        loop, cfg, layout = self.loop, self.config, self.layout
+        start = time.perf_counter()
+        prompt_ids, prompt_mask, completion_ids, mask = self._complete(generation, rows)
+        ids = completion_ids.cpu()  # the rollout's one host read
+        ended = mask.cpu().bool()
+        kept = [row[m].tolist() for row, m in zip(ids, ended)]
+        truncated = [not any(t == self.tokenizer.eos_token_id for t in k) for k in kept]
+        data = [self.rows[self.kept[r]] for r in rows]
+        prompts = [row["prompt"] for row in data]
+        texts = self.tokenizer.batch_decode(kept, skip_special_tokens=True)
+        completions = [completion_for(p, t) for p, t in zip(prompts, texts)]
+        step = generation * layout.micro_per_generation // layout.accumulate + 1
+        columns = {k: [row.get(k) for row in data] for k in data[0] if k != "prompt"}
+        rewards = self.reward_funcs(prompts, completions, kept, columns, step)
+        if cfg.mask_truncated_completions:
+            mask = mask * torch.tensor([not t for t in truncated], device=mask.device)[:, None]
+        active = mask.sum(dim=1).cpu().tolist() if cfg.mask_truncated_completions else [len(k) for k in kept]
+        everyone = loop.group.gather_objects(
+            (rewards.tolist(), [len(k) for k in kept], truncated, active, prompts, completions))
+        all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
+        all_rewards = all_rewards.view(-1, len(self.reward_funcs.names))
+        advantages = group_advantages(all_rewards, self.reward_funcs.weights, cfg.num_generations,
+                                      cfg.scale_rewards)
+        n = len(rows)
+        mine = advantages.advantages[layout.rank * n:(layout.rank + 1) * n]
+        lengths = [length for part in everyone for length in part[1]]
+        flags = [flag for part in everyone for flag in part[2]]
+        tokens = sum(a for part in everyone for a in part[3])
+        batch = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+                 "attention_mask": torch.cat([prompt_mask, mask], dim=1),
+                 "completion_mask": mask, "advantages": mine.to(loop.device)}
+        self._old_and_reference(batch)
+        self._note(generation, step, all_rewards, advantages, lengths, flags, everyone,
+                   time.perf_counter() - start)
+        seen = int(prompt_mask.sum()) + sum(len(k) for k in kept)  # this rank's tokens
+        return self._split(batch, generation, loop.device_scalar(float(tokens)), seen)
+
+    def _complete(self, generation: int, rows: list[int]):
+        """(prompt ids, prompt mask, completion ids, completion mask) on the device: generated,
+        or a test's fixed completions (`complete`) laid out the same way."""
+        loop = self.loop
+        prompts = [self.prompt_ids[r] for r in rows]
+        if self.complete is not None:
+            prompt_ids, prompt_mask = self.generator.prepare(prompts)
+            fixed = self.complete(generation, prompts)
+            width = self.config.max_completion_length
+            ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+            for i, tokens in enumerate(fixed):
+                ids[i, :len(tokens)] = torch.tensor(tokens[:width], dtype=torch.long)
+            from ..execution.generation import completion_mask
+
+            ids = ids.to(loop.device)
+            mask = completion_mask(ids, torch.tensor([self.tokenizer.eos_token_id], device=loop.device))
+            return prompt_ids, prompt_mask, ids, mask
+        seed = (self.config.seed * 1_000_003 + generation * 7919 + loop.group.rank) % 2**62
+        random = torch.Generator(device=loop.device).manual_seed(seed)
+        with loop.forward_context():
+            out = self.generator.generate(prompts, self.sampling, random)
+        self.generation_seconds += out.seconds
+        return out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask
+
+    def _old_and_reference(self, batch: dict) -> None:
+        """The old policy's log-probs when a generation batch is trained on after an update
+        (num_iterations > 1, or more micro-batches per generation than per step), and the
+        reference's when beta != 0: computed now, without gradients, a micro-batch at a time."""
+        cfg, layout, loop = self.config, self.layout, self.loop
+        old = layout.accumulate % layout.micro_per_generation != 0
+        if old:
+            batch["old_logps"] = self._no_grad_logps(loop.module, batch)
+        if cfg.beta != 0.0:
+            if self.reference is not None:
+                batch["ref_logps"] = self._no_grad_logps(self.reference, batch)
+            else:
+                with self.adapters.disable_adapter():
+                    batch["ref_logps"] = self._no_grad_logps(loop.module, batch)
+
+    def _no_grad_logps(self, module, batch: dict) -> torch.Tensor:
+        size, parts = self.config.per_device_train_batch_size, []
+        with torch.no_grad():
+            for begin in range(0, batch["input_ids"].shape[0], size):
+                part = {k: v[begin:begin + size] for k, v in batch.items() if torch.is_tensor(v)}
+                parts.append(self._logps(module, part)[0])
+                self.loop.accelerator.mark_step()
+        return torch.cat(parts)
+
+    def _split(self, batch: dict, generation: int, num_items: torch.Tensor, seen: int) -> list[dict]:
+        """The generation batch shuffled (as TRL shuffles it) and cut into micro-batches."""
+        layout = self.layout
+        rows = batch["input_ids"].shape[0]
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(self.config.seed + generation))
+        order = order.to(batch["input_ids"].device)
+        size = rows // layout.steps_per_generation
+        out = []
+        for i in range(layout.steps_per_generation):
+            index = order[i * size:(i + 1) * size]
+            micro = {k: v.index_select(0, index) for k, v in batch.items()}
+            micro["num_items"] = num_items
+            micro["seen_tokens"] = seen // layout.steps_per_generation
+            out.append(micro)
+        return out
+
+    def _note(self, generation, step, rewards, advantages, lengths, truncated, everyone, seconds):
+        """The rollout's metrics (TRL's names) for the next logging record, and its completions in
+        completions.jsonl when it serves a logged step."""
+        lengths_t = torch.tensor(lengths, dtype=torch.float32)
+        ended = torch.tensor([not t for t in truncated])
+        terminated = lengths_t[ended] if ended.any() else torch.zeros(1)
+        metrics = {"completions/mean_length": lengths_t.mean().item(),
+                   "completions/min_length": lengths_t.min().item(),
+                   "completions/max_length": lengths_t.max().item(),
+                   "completions/clipped_ratio": 1.0 - ended.float().mean().item(),
+                   "completions/mean_terminated_length": terminated.mean().item(),
+                   "completions/min_terminated_length": terminated.min().item(),
+                   "completions/max_terminated_length": terminated.max().item(),
+                   **reward_metrics(rewards, self.reward_funcs.weights, self.reward_funcs.names,
+                                    advantages.std_is_zero)}
+        self.rollout_metrics.append(metrics)
+        every = self.config.logging_steps
+        last = (generation + 1) * self.layout.micro_per_generation // self.layout.accumulate
+        if self.log is not None and (step - 1) // every != last // every or step == 1:
+            prompts = [p for part in everyone for p in part[4]]
+            completions = [c for part in everyone for c in part[5]]
+            self.log.write(step, prompts, completions, [a for part in everyone for a in part[3]],
+                           rewards, self.reward_funcs.names, self.reward_funcs.weights,
+                           advantages.advantages)
+
+    # -- the loss ---------------------------------------------------------------------------------
+    def compute_loss(self, module, batch) -> torch.Tensor:
+        cfg, layout = self.config, self.layout
+        logps, entropy = self._logps(module, batch, entropy=True)
+        out = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
+                        batch["completion_mask"], loss_type=cfg.loss_type, beta=cfg.beta,
+                        epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        use_bias_correction_kl=cfg.use_bias_correction_kl,
+                        num_items_in_batch=batch["num_items"], num_processes=layout.ranks,
+                        gradient_accumulation_steps=1, steps_per_generation=layout.steps_per_generation,
+                        max_completion_length=cfg.max_completion_length, entropies=entropy)
+        sums = out.sums.detach()
+        self.sums = sums if self.sums is None else self.sums + sums
+        return out.loss
+
+    def _logps(self, module, batch: dict, entropy: bool = False):
+        """Per-token log-probs (and entropies) of the completion tokens, [rows, C]."""
+        completion = batch["completion_mask"].shape[1]
+        input_ids = batch["input_ids"]
+        start = input_ids.shape[1] - completion - 1  # position t predicts token t + 1
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[:, start:-1] = input_ids[:, start + 1:]
+        inputs = {"input_ids": input_ids, "attention_mask": batch["attention_mask"]}
+        scored = token_logps(lambda m, x: self.loop.call_model(m, **x), module, inputs, labels,
+                             temperature=self.config.temperature, entropy=entropy, start=start)
+        logps = scored.logps[:, start:-1]
+        return logps, (scored.entropy[:, start:-1] if entropy else None)
+
+    # -- what users read ----------------------------------------------------------------------------
+    def metrics(self, group, prefix: str = "") -> dict:
+        """The loss metrics' means over every rank's tokens since the last record (one device
+        read), the rollouts' metrics averaged, and the share of the time spent generating."""
+        sums = self.sums
+        self.sums = None
+        if sums is None:
+            sums = torch.zeros(len(METRIC_SLOTS), device=self.loop.device)
+        means = metric_means(group.all_reduce_sum(sums.float()))
+        for name in list(means):
+            if name == "kl" and self.config.beta == 0.0:
+                means.pop(name)
+        rollouts, self.rollout_metrics = self.rollout_metrics, []
+        if rollouts:
+            for name in rollouts[0]:
+                means[name] = sum(r[name] for r in rollouts) / len(rollouts)
+        now = time.perf_counter()
+        means["generation_share"] = self.generation_seconds / max(now - self.since, 1e-9)
+        self.generation_seconds, self.since = 0.0, now
+        return {f"{prefix}{k}": v for k, v in means.items()}
+
+
+class GRPOTrainer(Trainer):
+    """A Trainer whose objective is GRPO's (see the module docstring), with TRL's arguments:
+    `reward_funcs` (callables with TRL's signature, reward models, "FILE.py:NAME" strings or
+    reward-model folders), `train_dataset` rows with a `prompt` (text or messages; every other
+    column goes to the reward functions), `processing_class` the tokenizer. The reference
+    (beta != 0): `ref_model`, else the adapter-disabled base of a PEFT model, else a frozen copy
+    of the starting weights."""
+
+    def __init__(self, model, args: GRPOConfig | dict | None = None, reward_funcs=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, ref_model=None,
+                 **kwargs) -> None:
+        args = args if isinstance(args, GRPOConfig) else GRPOConfig(**(args or {}))
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            raise InputError("GRPO needs reward_funcs: functions f(prompts, completions, "
+                             "completion_ids, **columns), reward models, or FILE.py:NAME entries")
+        if processing_class is None:
+            raise InputError("GRPOTrainer needs processing_class (the tokenizer)")
+        if train_dataset is None:
+            raise InputError("train() needs a train_dataset of prompts")
+        if eval_dataset is not None:
+            raise InputError("evaluation of GRPO on a validation set is not there yet: leave "
+                             "eval_dataset out")
+        complete = kwargs.pop("complete", None)
+        adapters = None
+        if args.beta != 0.0 and ref_model is None:
+            if hasattr(model, "disable_adapter"):
+                adapters = model
+            else:
+                ref_model = copy.deepcopy(model)  # the starting weights, frozen
+        rows = [dict(row) for row in train_dataset]
+        objective = GRPOObjective(args, reward_funcs, rows, processing_class,
+                                  reference=ref_model, adapters=adapters, complete=complete)
+        super().__init__(model, args, train_dataset=rows, processing_class=processing_class,
+                         objective=objective, **kwargs)
