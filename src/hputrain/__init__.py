@@ -9,10 +9,16 @@ from .accelerators import detect_accelerator
 from .callbacks import Callback, EarlyStopping
 from .config.accelerator_config import AcceleratorConfig
 from .config.arguments import TrainingArguments
+from .config.grpo import GRPOConfig, RewardConfig
 from .config.preference import DPOConfig
 from .data.sft import SFTDataset, sft_dataset
 from .execution.precision import autocast
 from .training.dpo import DPOTrainer
+from .training.grpo import GRPOTrainer
+from .training.grpo_loss import grpo_loss
+from .training.reward import RewardTrainer
 from .training.trainer import Trainer
 
-__all__ = ["AcceleratorConfig", "Callback", "DPOConfig", "DPOTrainer", "EarlyStopping", "SFTDataset", "Trainer", "TrainingArguments", "autocast", "detect_accelerator", "sft_dataset", "__version__"]
+__all__ = ["AcceleratorConfig", "Callback", "DPOConfig", "DPOTrainer", "EarlyStopping", "GRPOConfig",
+           "GRPOTrainer", "RewardConfig", "RewardTrainer", "SFTDataset", "Trainer", "TrainingArguments",
+           "autocast", "detect_accelerator", "grpo_loss", "sft_dataset", "__version__"]

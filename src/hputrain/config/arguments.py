@@ -143,7 +143,8 @@ class TrainingArguments:
     non_blocking_data_copy: bool = False
     """Copy batches to the device asynchronously (pinned memory)."""
     use_graphs_for_inference: bool = False
-    """Capture graphs (HPU graphs, CUDA graphs, torch.compile) for evaluate and predict."""
+    """Capture graphs (HPU graphs, CUDA graphs, torch.compile) for evaluate and predict, and for
+    GRPO's decode step (one graph per prompt bucket)."""
     use_graphs_for_training: bool = False
     """Capture the training step in graphs where the device supports it."""
     context_parallel_size: int = 1

@@ -86,6 +86,9 @@ class GRPOObjective(Objective):
         self.reward_funcs = reward_funcs
         self.reference, self.adapters = reference, adapters
         self.complete = complete  # a test's fixed completions: (generation, prompt ids) -> ids
+        if config.temperature <= 0:
+            raise InputError(f"GRPO samples its completions: temperature must be positive (log-probs "
+                             f"are taken at it, as TRL does), got {config.temperature}")
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
                                  top_k=config.top_k, min_p=config.min_p,
                                  repetition_penalty=config.repetition_penalty).check()
@@ -123,7 +126,7 @@ class GRPOObjective(Objective):
                                          max_completion_length=cfg.max_completion_length,
                                          eos_token_ids=[eos], pad_token_id=pad,
                                          buckets=tuple(cfg.prompt_buckets),
-                                         graphs=getattr(cfg, "use_graphs_for_generation", False))
+                                         graphs=cfg.use_graphs_for_inference)
         self.log = (CompletionsLog(f"{cfg.output_dir}/completions.jsonl") if group.is_main else None)
 
     def count_tokens(self, model):
@@ -342,6 +345,10 @@ class GRPOTrainer(Trainer):
                 adapters = model
             else:
                 ref_model = copy.deepcopy(model)  # the starting weights, frozen
+        if args.disable_dropout:  # the same tokens' log-probs agree between rollout and training
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         rows = [dict(row) for row in train_dataset]
         objective = GRPOObjective(args, reward_funcs, rows, processing_class,
                                   reference=ref_model, adapters=adapters, complete=complete)
