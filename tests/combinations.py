@@ -15,7 +15,7 @@ NA = "n/a"
 
 # factor -> levels; the order of the factors is the order of the parts of a case's name
 FACTORS = {
-    "method": ("text", "chat", "completion", "dpo"),
+    "method": ("text", "chat", "completion", "dpo", "grpo"),
     "adapters": ("full", "lora"),
     "packing": ("packed", "unpacked", NA),
     "processes": ("1proc", "ddp2", "fsdp2"),
@@ -32,7 +32,10 @@ REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
                  # the CPU's lazy backend, the rehearsal of Gaudi's, runs one process
                  frozenset({("mode", "lazy"), ("processes", "ddp2")}),
                  # preference pairs are encoded whole (a reference pass over them), never streamed
-                 frozenset({("method", "dpo"), ("source", "stream")})}
+                 frozenset({("method", "dpo"), ("source", "stream")}),
+                 # issue 32: prompts are read whole; GRPO's rehearsal in lazy mode is refused
+                 frozenset({("method", "grpo"), ("source", "stream")}),
+                 frozenset({("method", "grpo"), ("mode", "lazy")})}
 
 # The combinations issue 30 found broken, run first whatever the covering array picks.
 ISSUE_CASES = (
@@ -53,9 +56,13 @@ def allowed(case: dict) -> bool:
     packs = case["method"] in ("chat", "completion")
     if (case["packing"] == NA) == packs:
         return False  # packing is a choice for SFT data only
-    dpo = case["method"] == "dpo"
-    if (case["reference"] == NA) == dpo:
-        return False  # a reference is a choice for DPO only
+    dpo, grpo = case["method"] == "dpo", case["method"] == "grpo"
+    if case["reference"] != NA and not (dpo or grpo):
+        return False  # a reference is a choice for DPO and GRPO only
+    if dpo and case["reference"] == NA:
+        return False  # DPO always has one; GRPO has none at beta 0 (n/a), else one (beta 0.04)
+    if grpo and (case["reference"] == "ref_precomputed" or case["validation"] == "val"):
+        return False  # GRPO's reference runs on each rollout; it evaluates nothing yet
     if case["reference"] == "ref_adapters" and case["adapters"] != "lora":
         return False  # the adapter-disabled base needs adapters
     if case["reference"] == "ref_frozen" and case["adapters"] != "full":
@@ -109,6 +116,7 @@ class Inputs:
     ref_model: str
     datasets: dict  # method -> data file
     streams: dict  # (method, validation level) -> a folder of shards (with validation/ under "val")
+    reward_funcs: str = ""  # GRPO's FILE.py:NAME
 
 
 # Small enough for two steps in a few seconds, and a validation split of a few rows (3 pairs, 3
@@ -134,6 +142,10 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
     flags += {"ref_model": ["--ref-model", inputs.ref_model],
               "ref_precomputed": ["--precompute-ref-log-probs"]}.get(case["reference"], [])
     flags += ["--precision", "bf16-mixed" if case["precision"] == "bf16" else "fp32"]
+    if case["method"] == "grpo":  # two completions of 8 tokens per prompt, rewarded by a function
+        flags += ["--reward-funcs", inputs.reward_funcs, "--num-generations", "2",
+                  "--max-completion-length", "8"]
+        flags += ["--beta", "0.04"] if case["reference"] != NA else []
     return flags
 
 
@@ -170,6 +182,13 @@ REFUSED = (
     Refusal("dpo+streaming", "dpo", ("--streaming",),
             "hputrain: error: --streaming trains causal LM and SFT rows; DPO (preference pairs) "
             "reads its data set whole: leave out --streaming", processes=False),
+    Refusal("grpo+streaming", "grpo", ("--streaming", "--reward-funcs", "{reward_funcs}"),
+            "hputrain: error: --streaming trains causal LM and SFT rows; GRPO reads its prompts "
+            "whole: leave out --streaming", processes=False),
+    Refusal("grpo+lazy", "grpo", ("--execution-mode", "lazy", "--reward-funcs", "{reward_funcs}",
+                                  "--num-generations", "2"),
+            "hputrain: error: GRPO in lazy mode is not supported yet: set execution_mode='eager' "
+            "or 'compile'", processes=False),
     Refusal("ref_model+text", "text", ("--ref-model", "{ref_model}"),
             "hputrain: error: --ref-model is for preference pairs (DPO), and --dataset {dataset} "
             "holds none", processes=False),
@@ -182,7 +201,8 @@ REFUSED = (
 def refusal_flags(refusal: Refusal, inputs: Inputs) -> tuple[list[str], str]:
     """(the `hputrain train` arguments of a refused pair, the line expected on stderr)."""
     dataset = inputs.datasets[refusal.method]
-    flags = [f.format(ref_model=inputs.ref_model) for f in refusal.flags]
+    flags = [f.format(ref_model=inputs.ref_model, reward_funcs=inputs.reward_funcs)
+             for f in refusal.flags]
     argv = ["--model", inputs.model, "--dataset", dataset, *COMMON, "--validation-split-percentage",
             "0", *flags]
     return argv, refusal.line.format(dataset=dataset)

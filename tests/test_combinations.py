@@ -71,8 +71,10 @@ def _datasets(root: Path) -> dict:
                   for i in range(40)]
     pairs = [{"prompt": f"{i}: {WORDS[i % n]}", "chosen": " " + WORDS[(i + 1) % n],
               "rejected": " " + WORDS[(i + 5) % n]} for i in range(40)]
+    prompts = [{"prompt": f"{i}: {WORDS[i % n]}", "answer": WORDS[(i + 1) % n]} for i in range(40)]
     return {name: _write_jsonl(root / f"{name}.jsonl", rows) for name, rows in
-            (("text", text), ("chat", chat), ("completion", completion), ("dpo", pairs))}
+            (("text", text), ("chat", chat), ("completion", completion), ("dpo", pairs),
+             ("grpo", prompts))}
 
 
 def _shard_folders(root: Path) -> dict:
@@ -109,7 +111,18 @@ def inputs(tmp_path_factory) -> combos.Inputs:
     tokenizer.chat_template = (TEMPLATES / "chatml_tagged.jinja").read_text()
     return combos.Inputs(model=_save_llama(root / "model", tokenizer, seed=0),
                          ref_model=_save_llama(root / "reference", tokenizer, seed=1),
-                         datasets=_datasets(root), streams=_shard_folders(root))
+                         datasets=_datasets(root), streams=_shard_folders(root),
+                         reward_funcs=_reward_file(root))
+
+
+def _reward_file(root: Path) -> str:
+    """GRPO's reward (FILE.py:NAME): the share of completion tokens that are even, and whether the
+    answer column's word appears (a column passed per completion, as TRL passes it)."""
+    path = root / "rewards.py"
+    path.write_text("def even(prompts, completions, completion_ids, answer, **_):\n"
+                    "    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) + (a in c)\n"
+                    "            for ids, a, c in zip(completion_ids, answer, completions)]\n")
+    return f"{path}:even"
 
 
 # -- running a case --------------------------------------------------------------------------------
@@ -456,10 +469,13 @@ def test_refused_and_meaningless_pairs_are_left_out():
     levels = [set(case.items()) for case in allowed]
     for pair in combos.REFUSED_PAIRS:
         assert not any(pair <= case for case in levels)
-    assert not any(case["reference"] != combos.NA for case in allowed if case["method"] != "dpo")
+    assert not any(case["reference"] != combos.NA for case in allowed
+                   if case["method"] not in ("dpo", "grpo"))
+    assert not any(case["reference"] == "ref_precomputed" or case["validation"] == "val"
+                   for case in allowed if case["method"] == "grpo")
     assert not any(case["reference"] == "ref_adapters" for case in allowed if case["adapters"] == "full")
     assert not any(case["packing"] != combos.NA for case in allowed
-                   if case["method"] in ("text", "dpo"))
+                   if case["method"] in ("text", "dpo", "grpo"))
     # each factor's every level is still in some allowed case
     assert all({case[f] for case in allowed} == set(levels_) for f, levels_ in combos.FACTORS.items())
 

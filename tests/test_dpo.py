@@ -345,7 +345,7 @@ def test_conversational_pairs_train_through_the_chat_template(models, tmp_path):
     ([{"prompt": "a", "chosen": "b", "rejected": None}], [], "has no 'rejected' field"),
     ([{"prompt": "a", "chosen": [{"role": "wizard", "content": "x"}], "rejected": "c"}], [],
      "wizard"),
-    ([{"text": "just text"}], ["--beta", "0.2"], "--beta is for preference pairs"),
+    ([{"text": "just text"}], ["--beta", "0.2"], "--beta is for DPO (preference pairs) or GRPO"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--beta", "-1"], "beta must be positive"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--loss-type", "aot"], "is not computed"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--method", "sft"], "holds preference"),

@@ -88,7 +88,9 @@ def test_pairs_plan_the_reference_and_twice_the_rows(llama, data):
     precomputed = planned(llama_flags(llama, "--precision", "fp32", "--method", "dpo",
                                       "--precompute-ref-log-probs"))
     assert dpo.breakdown["parameters"] == pytest.approx(2 * lm.breakdown["parameters"], rel=0.02)
-    assert dpo.breakdown["activations"] == pytest.approx(2 * lm.breakdown["activations"], rel=0.15)
+    # twice the rows, but the log-probs are taken in chunks (training/logps.py): never the two
+    # rows' whole float32 logits, which the language model's loss keeps
+    assert lm.breakdown["activations"] < dpo.breakdown["activations"] < 2 * lm.breakdown["activations"]
     assert precomputed.breakdown["parameters"] == lm.breakdown["parameters"]
     assert dpo.peak_bytes > 1.3 * lm.peak_bytes
 

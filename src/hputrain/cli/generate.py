@@ -1,7 +1,8 @@
 """`hputrain generate`: text from a trained checkpoint of the built-in GPT through graph-captured
 inference (execution/inference.py), or, with `--model DIR --chat QUESTION`, a Hugging Face model's
-answer through its chat template and transformers' own generate (recipes/hf_chat.py); the model
-folder may be a LoRA run's adapter folder (on its base, or --base-model DIR)."""
+answer through its chat template and the static-shape generator of GRPO's rollouts
+(execution/generation.py, recipes/hf_chat.py); the model folder may be a LoRA run's adapter folder
+(on its base, or --base-model DIR)."""
 from __future__ import annotations
 
 import json
@@ -66,8 +67,8 @@ def _check_source(args) -> None:
     if args.base_model and not args.model:
         raise InputError("--base-model is the base of an adapter folder given as --model DIR")
     if args.model and args.no_graphs:
-        raise InputError("--no-graphs is for --checkpoint: --chat always runs transformers' "
-                         "generate eagerly")
+        raise InputError("--no-graphs is for --checkpoint: --chat always runs eagerly (for one "
+                         "answer a graph capture costs more than it saves)")
 
 
 def _chat(args, accelerator) -> int:

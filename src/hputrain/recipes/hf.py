@@ -172,6 +172,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     if options.streaming:  # a shard folder's refusals, before any weight is read (hf_stream.py)
         from .hf_stream import check_stream
 
+        data_kind(options)  # a method that never streams (GRPO) says so first
         check_stream(options, training_args)
     adopt_launcher_env(training_args.devices, training_args.num_nodes)  # mpirun's or srun's ranks
     if needs_launch(training_args.devices, training_args.num_nodes):
@@ -269,6 +270,9 @@ def data_kind(options: HFOptions) -> str:
     if options.method == "grpo" and kind != "grpo":
         raise InputError(f"--method grpo needs rows with a 'prompt' and no completion (the model "
                          f"writes it); --dataset {options.dataset} has: {found}")
+    if kind == "grpo" and options.streaming:
+        raise InputError("--streaming trains causal LM and SFT rows; GRPO reads its prompts whole: "
+                         "leave out --streaming")
     if kind == "grpo" and not options.reward_funcs:
         raise InputError("GRPO needs --reward-funcs FILE.py:NAME [...] (functions with TRL's "
                          "signature) or a reward-model folder")

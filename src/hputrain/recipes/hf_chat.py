@@ -1,6 +1,8 @@
 """`hputrain generate --model DIR --chat QUESTION`: one answer from a local Hugging Face model
 folder (a download, or a run's output_dir/final, a LoRA run's adapter folder included), through
-its tokenizer's chat template and transformers' own `generate`.
+its tokenizer's chat template and the static-shape generator that GRPO's rollouts run on
+(execution/generation.py: a static key/value cache, sampling on the device), eagerly: for one
+answer a graph capture costs more than it saves.
 
 The question is rendered as a one-message conversation with the generation prompt (the header
 the template writes before an assistant's turn), so the model continues as the assistant it was
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from ..data.chat import ChatTemplate
 from ..errors import InputError
+from ..execution.generation import Sampling, StaticGenerator
 
 
 @dataclass
@@ -49,8 +52,6 @@ def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int
     """The model's answer to `question` (see the module docstring): greedy with temperature 0,
     else sampled (seed the generator first). `folder` may be an adapter folder (on its base
     model, or `base_model`): PEFT's model generates with the adapters."""
-    import torch
-
     from .hf import load_model
 
     model, tokenizer = load_model(folder, base_model=base_model)
@@ -62,17 +63,16 @@ def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int
     model = model.to(device).eval()
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                            add_generation_prompt=True, return_dict=True,
-                                            return_tensors="pt")
-    input_ids = encoded["input_ids"].to(device)
-    sampling = {"do_sample": False} if temperature == 0 else {
-        "do_sample": True, "temperature": temperature, "top_k": top_k}
+                                            add_generation_prompt=True, return_dict=True)
+    prompt = list(encoded["input_ids"])
     pad = next((t for t in (tokenizer.pad_token_id, *stops) if t is not None), None)
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids,
-                             attention_mask=encoded["attention_mask"].to(device),
-                             max_new_tokens=max_new_tokens, eos_token_id=stops or None,
-                             pad_token_id=pad, **sampling)
-    new = out[0, input_ids.shape[1]:].tolist()
+    if not stops or pad is None:
+        raise InputError(f"--model {folder}: neither its tokenizer nor its generation config "
+                         "names an eos token, so the answer has no end")
+    engine = StaticGenerator(model, accelerator, max_completion_length=max_new_tokens,
+                             eos_token_ids=stops, pad_token_id=pad, graphs=False)
+    rollout = engine.generate([prompt], Sampling(temperature=temperature, top_k=top_k or 0))
+    length = int(rollout.completion_mask[0].sum())  # the one read back: up to the first stop
+    new = rollout.completion_ids[0, :length].tolist()
     return ChatAnswer(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new),
-                      input_ids.shape[1], stops)
+                      len(prompt), stops)

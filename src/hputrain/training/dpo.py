@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from ..config.preference import DPOConfig
 from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
 from ..errors import InputError
-from .evaluation import logits_of
 from .loss import IGNORE_INDEX
+from .logps import shifted_labels, token_logps
 from .objective import Objective
 from .trainer import Trainer
 
@@ -170,8 +170,11 @@ class PreferenceObjective(Objective):
                 return self._logps(module, batch)
 
     def _logps(self, module, batch) -> torch.Tensor:
-        logits = logits_of(self.loop.call_model(module, batch["input_ids"], batch["attention_mask"]))
-        return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
+        # per-token log-probs in chunks of positions, never the whole vocabulary-wide logits
+        labels = shifted_labels(batch["input_ids"], batch["completion_mask"])
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return token_logps(lambda m, x: self.loop.call_model(m, **x), module, inputs,
+                           labels).logps.sum(dim=1)
 
     def _add_metrics(self, chosen, rejected, ref_chosen, ref_rejected) -> None:
         if not self.counting:

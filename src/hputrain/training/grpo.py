@@ -108,6 +108,11 @@ class GRPOObjective(Objective):
         if group.cp_size > 1:
             raise InputError("GRPO under context parallelism is not supported: set "
                              "context_parallel_size=1")
+        if loop.accelerator.execution_mode == "lazy":
+            # left-padded prompts leave rows that attend to nothing, whose NaN the CPU's lazy
+            # backend carries into every position: refused until the rehearsal is exact
+            raise InputError("GRPO in lazy mode is not supported yet: set execution_mode='eager' "
+                             "or 'compile'")
         size, steps = generation_layout(cfg, cfg.per_device_train_batch_size,
                                         cfg.gradient_accumulation_steps, group.dp_size)
         self.layout = Layout(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
@@ -194,7 +199,10 @@ class GRPOObjective(Objective):
             mask = completion_mask(ids, torch.tensor([self.tokenizer.eos_token_id], device=loop.device))
             return prompt_ids, prompt_mask, ids, mask
         seed = (self.config.seed * 1_000_003 + generation * 7919 + loop.group.rank) % 2**62
-        random = torch.Generator(device=loop.device).manual_seed(seed)
+        try:
+            random = torch.Generator(device=loop.device).manual_seed(seed)
+        except RuntimeError:  # a device without generators of its own (the CPU's lazy backend)
+            random = None  # draws from torch's default one: rollouts repeat, resumes differ
         with loop.forward_context():
             out = self.generator.generate(prompts, self.sampling, random)
         self.generation_seconds += out.seconds
@@ -258,7 +266,7 @@ class GRPOObjective(Objective):
         self.rollout_metrics.append(metrics)
         every = self.config.logging_steps
         last = (generation + 1) * self.layout.micro_per_generation // self.layout.accumulate
-        if self.log is not None and (step - 1) // every != last // every or step == 1:
+        if self.log is not None and ((step - 1) // every != last // every or step == 1):
             prompts = [p for part in everyone for p in part[4]]
             completions = [c for part in everyone for c in part[5]]
             self.log.write(step, prompts, completions, [a for part in everyone for a in part[3]],

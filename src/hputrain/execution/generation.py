@@ -1,0 +1,412 @@
+"""Static-shape generation for Hugging Face causal LMs: the rollout engine of GRPO and of
+`hputrain generate --model DIR --chat Q`.
+
+transformers' `model.generate` on a left-padded batch changes shapes at every call (the prompt
+length) and at every token (the cache grows, finished rows stop the loop), which on Gaudi means a
+graph compile each time. Here every shape is fixed after warm-up:
+
+- prompts are left-padded to the smallest length bucket that holds the longest;
+- the key/value cache holds bucket + C positions (C = max_completion_length), allocated once per
+  (rows, bucket) and reused; our own buffers, not transformers' StaticCache, whose API changed
+  between 4.x and 5.x (cache_position in 4.x, a counter in 5.x), while `update(key, value,
+  layer_idx, ...)` is all a model asks of its cache in both;
+- the attention mask is 4-D and made by us from the prompt mask and the write position, so that
+  transformers builds none (its sdpa mask reads the mask back to the host to skip it);
+- prefill is one call; then exactly C - 1 decode calls of the same shapes. Finished rows keep
+  decoding (masked, fed pad_token_id as generate feeds them): no row is dropped and the loop never
+  stops early, so every rank of a sharded model calls forward the same number of times;
+- the decode step is one module captured once per (rows, bucket) (`wrap_graph_inference`:
+  torch.compile on the CPU, CUDA graphs, HPU graphs), the sampler one per (rows, Sampling);
+- sampling runs on the device (repetition penalty, temperature, top-k, top-p, min-p in generate's
+  order, Gumbel-max with exponential noise drawn outside the graphs from the caller's generator),
+  and nothing is read back to the host until the rollout is over.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..data.batching import base_model
+from ..errors import InputError
+from ..models.gpt import MIN_TEMPERATURE
+from .inference import bucket_for, max_length
+
+DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+BOOLEAN_MASKS = ("sdpa", "hputrain")
+"""Attention implementations that take sdpa's boolean masks (True attends); "eager" takes an
+additive one; the rest (flash, flex, paged) build their own masks and are refused."""
+
+NOISE_FLOOR = 1e-20
+"""Smallest exponential draw used: log(0) would turn a filtered (-inf) token into NaN."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen, with transformers' meaning of each field."""
+
+    temperature: float = 1.0
+    """0 is greedy; otherwise at least MIN_TEMPERATURE."""
+    top_p: float = 1.0
+    """Keep the most likely tokens whose probabilities add up to top_p (1: off)."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens (0: off)."""
+    min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one (None: off)."""
+    repetition_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of tokens already seen (1: off)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self) -> Sampling:
+        """Raise InputError (one line) unless every field is in range; return self."""
+        t, p, k, m, r = (self.temperature, self.top_p, self.top_k, self.min_p,
+                         self.repetition_penalty)
+        if not (t == 0 or (_finite(t) and t >= MIN_TEMPERATURE)):
+            raise InputError(f"temperature must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE:g}, got {t!r}")
+        if not (_finite(p) and 0 < p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
+        if m is not None and not (_finite(m) and 0 <= m <= 1):
+            raise InputError(f"min_p must be in [0, 1] (or None: off), got {m!r}")
+        if not (_finite(r) and r > 0):
+            raise InputError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        return self
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def process_logits(logits: torch.Tensor, sampling: Sampling,
+                   seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) logits as float32 after repetition penalty (tokens where `seen` (B, V) is True),
+    then, unless greedy, temperature, top-k, top-p and min-p: transformers' processors in
+    generate's order, filtered tokens at -inf (each keeps at least one token)."""
+    logits = logits.float()
+    penalty = sampling.repetition_penalty
+    if penalty != 1.0 and seen is not None:
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(seen, penalized, logits)
+    if sampling.greedy:
+        return logits
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        drop[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
+    if sampling.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True),
+                                    -math.inf)
+    return logits
+
+
+class Sampler(torch.nn.Module):
+    """The next token (B,) from (B, V) logits: argmax when greedy, else Gumbel-max, the argmax of
+    logits - log(noise) with noise ~ Exp(1), which draws from softmax(logits). The noise comes in
+    as an input, so that a captured graph replays new draws."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        super().__init__()
+        self.sampling = sampling
+
+    def forward(self, logits: torch.Tensor, seen: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+        logits = process_logits(logits, self.sampling, seen)
+        if noise is not None:
+            logits = logits - noise.clamp_min(NOISE_FLOOR).log()
+        return logits.argmax(dim=-1)
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and their completions, on the model's device."""
+
+    prompt_ids: torch.Tensor
+    """(B, P) prompts left-padded with pad_token_id to the bucket P."""
+    prompt_mask: torch.Tensor
+    """(B, P) 1 on prompt tokens, 0 on padding."""
+    completion_ids: torch.Tensor
+    """(B, C) generated tokens; pad_token_id after a row's first end token."""
+    completion_mask: torch.Tensor
+    """(B, C) int: 1 up to and including the first end token, 0 after; all ones for a row that
+    never ends (TRL's rule)."""
+    seconds: float
+    """Wall time of the rollout, up to the tokens being ready."""
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """TRL's completion mask of (B, C) ids: ones up to and including the first of `eos_ids`."""
+    is_eos = (completion_ids[:, :, None] == eos_ids).any(dim=-1)
+    columns = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    first = torch.where(is_eos, columns, completion_ids.shape[1]).amin(dim=1, keepdim=True)
+    return (columns <= first).int()
+
+
+# -- the decode step ----------------------------------------------------------------------------------
+
+class KeyValueBuffers(torch.nn.Module):
+    """A static key/value cache: per layer (rows, kv_heads, length, head_dim) buffers, written in
+    place at `position` (set by the step before each forward) and returned whole. Made up front
+    from the config where it names the shapes (so that lazy mode runs the allocation as a graph of
+    its own, and the first rollout's graphs are the next ones'), else, or where a layer's keys turn
+    out otherwise, at the first write (the prefill, outside any capture)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+        self.position: torch.Tensor | None = None
+
+    def allocate(self, config, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Buffers for every layer as a Llama-like `config` describes them (none otherwise)."""
+        heads = getattr(config, "num_attention_heads", None)
+        layers = getattr(config, "num_hidden_layers", None)
+        if not (isinstance(heads, int) and isinstance(layers, int)):
+            return
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        for layer in range(layers):
+            for name in (f"k{layer}", f"v{layer}"):
+                self._register(name, torch.zeros(rows, kv_heads, self.length, dim, dtype=dtype,
+                                                 device=device))
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new keys and values at `position`; return the whole cache of `layer_idx`."""
+        cached = []
+        for name, new in ((f"k{layer_idx}", key), (f"v{layer_idx}", value)):
+            buffer = getattr(self, name, None)
+            wanted = (*new.shape[:2], self.length, new.shape[3])
+            if buffer is None or tuple(buffer.shape) != wanted or buffer.dtype != new.dtype:
+                buffer = self._register(name, new.new_zeros(wanted))
+            buffer.index_copy_(2, self.position, new)
+            cached.append(buffer)
+        return tuple(cached)
+
+    def _register(self, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        # a fixed address across replays: what CUDA graphs want (transformers' static cache too)
+        torch._dynamo.mark_static_address(buffer)
+        self.register_buffer(name, buffer, persistent=False)
+        return buffer
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Asked by models only when no position ids are given; positions here always are."""
+        return 0
+
+
+class DecodeStep(torch.nn.Module):
+    """One forward of the model over the static cache: (B, q) tokens at their position ids,
+    written at cache columns `cache_position` (q,), attending to the prompt's tokens and to every
+    column up to their own; returns the (B, V) float32 logits of the last column. Prefill (q =
+    bucket) runs it as it is, decoding (q = 1) through its captured graph."""
+
+    def __init__(self, model, rows: int, bucket: int, completion: int) -> None:
+        super().__init__()
+        self.model, self.length = model, bucket + completion
+        self.cache = KeyValueBuffers(self.length)
+        self.register_buffer("keys_valid", torch.ones(rows, self.length, dtype=torch.bool,
+                                                      device=_device(model)), persistent=False)
+        inner = base_model(model)
+        implementation = getattr(inner.config, "_attn_implementation", None) or "eager"
+        if implementation not in BOOLEAN_MASKS + ("eager",):
+            raise InputError(f"static generation needs attention implementation sdpa or eager "
+                             f"(it makes the 4-D mask itself); the model uses {implementation!r}")
+        self.additive = implementation == "eager"
+        self.mask_dtype = getattr(inner, "dtype", torch.float32)
+        self.cache.allocate(inner.config, rows, self.mask_dtype, _device(model))
+        names = _forward_parameters(inner)
+        self.cache_name = "cache" if "cache" in names else "past_key_values"  # 5.x renamed it
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in names else {}
+
+    def set_prompt_mask(self, prompt_mask: torch.Tensor) -> None:
+        """Which prompt columns are tokens (the completion columns always attend)."""
+        self.keys_valid[:, :prompt_mask.shape[1]].copy_(prompt_mask.bool())
+
+    def forward(self, input_ids, position_ids, cache_position) -> torch.Tensor:
+        self.cache.position = cache_position
+        output = self.model(input_ids=input_ids, attention_mask=self._mask(cache_position),
+                            position_ids=position_ids, use_cache=True,
+                            **{self.cache_name: self.cache}, **self.keep_last)
+        return output.logits[:, -1].float()
+
+    def _mask(self, cache_position: torch.Tensor) -> torch.Tensor:
+        """(B, 1, q, length): a query sees the prompt's tokens and the columns up to its own, and
+        itself always (a padding query with nothing to see would make softmax NaN)."""
+        columns = torch.arange(self.length, device=cache_position.device)
+        causal = columns[None, :] <= cache_position[:, None]
+        itself = columns[None, :] == cache_position[:, None]
+        allowed = (self.keys_valid[:, None, None, :] & causal) | itself
+        if not self.additive:
+            return allowed
+        dtype = self.mask_dtype
+        blocked = allowed.eq(False)
+        return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(
+            blocked, torch.finfo(dtype).min)
+
+
+def _forward_parameters(model) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sliding_window(model, length: int) -> None:
+    """Refuse a model whose attention slides over fewer tokens than the cache: the 4-D mask made
+    here is full causal attention."""
+    config = getattr(base_model(model), "config", None)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ()
+    uses = getattr(config, "use_sliding_window", True) is not False
+    slides = "sliding_attention" in types or (not types and uses)
+    if isinstance(window, int) and window < length and slides:
+        raise InputError(f"static generation attends over the whole sequence, but this model "
+                         f"slides over {window} tokens; prompt + completion ({length}) must fit "
+                         f"in the window")
+
+
+# -- the generator ------------------------------------------------------------------------------------
+
+@dataclass
+class _Slot:
+    """What one (rows, bucket) keeps between rollouts: the step with its cache, and its capture."""
+
+    step: DecodeStep
+    decode: torch.nn.Module
+
+
+class StaticGenerator:
+    """Rollouts of fixed shapes from a Hugging Face causal LM (a PEFT model too): see the module
+    docstring. `capture` replaces `accelerator.wrap_graph_inference` (tests count captures)."""
+
+    def __init__(self, model, accelerator, *, max_completion_length: int, eos_token_ids,
+                 pad_token_id: int, buckets=DEFAULT_BUCKETS, graphs: bool = True,
+                 capture=None) -> None:
+        if isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int) \
+                or max_completion_length < 1:
+            raise InputError(f"max_completion_length must be an integer >= 1, got "
+                             f"{max_completion_length!r}")
+        eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or ())
+        if not eos or not all(isinstance(i, int) for i in eos) or not isinstance(pad_token_id, int):
+            raise InputError("static generation needs the end token ids (eos_token_ids) and a "
+                             "pad_token_id, as integers")
+        self.model, self.accelerator = model, accelerator
+        self.completion, self.pad = max_completion_length, pad_token_id
+        self.buckets = tuple(sorted(buckets))
+        self.device = _device(model)
+        self.eos = torch.tensor(eos, device=self.device)
+        self.capture = (capture or accelerator.wrap_graph_inference) if graphs else (lambda m: m)
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        self.samplers: dict[tuple[int, Sampling], torch.nn.Module] = {}
+
+    def _slot(self, rows: int, bucket: int) -> _Slot:
+        if (rows, bucket) not in self.slots:
+            step = DecodeStep(self.model, rows, bucket, self.completion)
+            self.slots[rows, bucket] = _Slot(step, self.capture(step))
+        return self.slots[rows, bucket]
+
+    def _sampler(self, rows: int, sampling: Sampling) -> torch.nn.Module:
+        if (rows, sampling) not in self.samplers:
+            self.samplers[rows, sampling] = self.capture(Sampler(sampling))
+        return self.samplers[rows, sampling]
+
+    def prepare(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, bucket) prompt ids left-padded with pad_token_id and their mask, on the device."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InputError("every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        limit = max_length(base_model(self.model))
+        if limit is not None and longest + self.completion > limit[0]:
+            raise InputError(f"a prompt of {longest} tokens + {self.completion} completion tokens "
+                             f"exceeds the model's maximum of {limit[0]} (config.{limit[1]})")
+        bucket = bucket_for(longest, self.buckets)
+        _sliding_window(self.model, bucket + self.completion)
+        ids = torch.full((len(prompts), bucket), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), bucket), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, bucket - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, bucket - len(prompt):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling(),
+                 generator: torch.Generator | None = None) -> Rollout:
+        """Completions of exactly max_completion_length tokens for `prompts` (token ids), drawn
+        with `sampling` and random numbers from `generator` (torch's default one when None)."""
+        sampling.check()
+        prompt_ids, prompt_mask = self.prepare(prompts)
+        rows, bucket = prompt_ids.shape
+        slot, sample = self._slot(rows, bucket), self._sampler(rows, sampling)
+        # lazy mode: the inputs (and a new slot's cache) in a graph of their own, so that the
+        # first rollout's graphs are the next ones'
+        self.accelerator.mark_step()
+        training = self.model.training
+        self.model.eval()  # no dropout in a rollout; the caller's mode comes back after
+        try:
+            start = time.perf_counter()
+            tokens = self._run(slot, sample, sampling, generator, prompt_ids, prompt_mask)
+            mask = completion_mask(tokens, self.eos)
+            self.accelerator.mark_step()  # the rollout's last graph, the same every time
+            self.accelerator.synchronize()
+            seconds = time.perf_counter() - start
+        finally:
+            self.model.train(training)
+        return Rollout(prompt_ids, prompt_mask, tokens, mask, seconds)
+
+    def _run(self, slot: _Slot, sample, sampling: Sampling, generator, prompt_ids,
+             prompt_mask) -> torch.Tensor:
+        """Prefill, then C - 1 decode steps of the same shapes; (B, C) completion ids."""
+        rows, bucket = prompt_ids.shape
+        slot.step.set_prompt_mask(prompt_mask)
+        # positions as transformers' generate gives them under left padding
+        positions = (prompt_mask.cumsum(dim=1) - 1).clamp_min(0)
+        seen = None
+        if sampling.repetition_penalty != 1.0:  # the prompt's tokens count, its padding not
+            seen = torch.zeros(rows, _vocab_size(self.model), dtype=torch.bool, device=self.device)
+            seen.scatter_(1, prompt_ids, prompt_mask.bool())
+        finished = torch.zeros(rows, dtype=torch.long, device=self.device)
+        with self.accelerator.forward_context():
+            logits = slot.step(prompt_ids, positions,
+                               torch.arange(bucket, device=self.device))
+        position = positions[:, -1:] + 1
+        column = torch.tensor([bucket], device=self.device)
+        out = []
+        for step in range(self.completion):
+            noise = None if sampling.greedy else torch.empty_like(logits).exponential_(
+                generator=generator)
+            token = sample(logits, seen, noise)
+            token = token + (self.pad - token) * finished  # generate's rule: pad after the end
+            finished = finished | (token[:, None] == self.eos).any(dim=-1).long()
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
+            out.append(token)
+            if step + 1 < self.completion:
+                with self.accelerator.forward_context():
+                    logits = slot.decode(token[:, None], position, column)
+                position, column = position + 1, column + 1
+            self.accelerator.mark_step()
+        return torch.stack(out, dim=1)
+
+
+def _vocab_size(model) -> int:
+    """The width of the logits: the output embedding's rows (config.vocab_size may be smaller
+    than a resized embedding)."""
+    output = base_model(model).get_output_embeddings()
+    return output.weight.shape[0] if output is not None else base_model(model).config.vocab_size
