@@ -45,8 +45,8 @@ def add_evaluate_parser(sub) -> None:
     p.add_argument("--ref-model", "--ref_model", dest="ref_model", metavar="DIR",
                    help="preference pairs: the reference model folder DPO's rewards are measured "
                         "against")
-    p.add_argument("--beta", type=float, default=0.1, help="preference pairs: DPO's beta (0.1)")
-    p.add_argument("--loss-type", "--loss_type", dest="loss_type", default="sigmoid",
+    p.add_argument("--beta", type=float, help="preference pairs: DPO's beta (0.1)")
+    p.add_argument("--loss-type", "--loss_type", dest="loss_type",
                    help="preference pairs: sigmoid (default), ipo, hinge or robust")
     p.add_argument("--label-smoothing", "--label_smoothing", dest="label_smoothing", type=float,
                    default=0.0, help="preference pairs: as hputrain train takes it")

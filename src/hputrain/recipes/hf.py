@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 
 from ..config.fields import ConfigError, check_choice
-from ..config.grpo import GRPO_DEFAULTS, GRPOOptions, check_grpo, grpo_flags_given
+from ..config.grpo import (GRPO_DEFAULTS, REWARD_DEFAULTS, GRPOOptions, check_grpo,
+                           grpo_flags_given)
 from ..config.preference import (DPO_DEFAULTS, PreferenceOptions, check_preference,
                                  preference_flags_given)
 from ..errors import InputError, did_you_mean
@@ -153,6 +154,8 @@ def method_defaults(options: HFOptions) -> dict:
         columns = columns_of(options.dataset) or []
     except (InputError, OSError):
         return {}
+    if options.method == "reward":
+        return dict(REWARD_DEFAULTS)
     if options.method == "grpo" or (options.method == "auto" and is_prompts(columns)
                                     and options.reward_funcs):
         return dict(GRPO_DEFAULTS)

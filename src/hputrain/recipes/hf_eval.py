@@ -24,11 +24,12 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     import torch
 
     from ..training.trainer import Trainer
-    from .hf import choose_block_size, data_kind, load_data, load_model, model_folder
+    from .hf import choose_block_size, data_kind, load_data, load_model, method_options, model_folder
     from .hf_adapters import tokenizer_source
 
-    if data_kind(options) == "dpo":
-        return evaluate_pairs(options, batch_size=batch_size, precision=precision)
+    if data_kind(options) == "dpo":  # DPO's beta and loss_type where not given
+        return evaluate_pairs(method_options(options, "dpo"), batch_size=batch_size,
+                              precision=precision)
     folder = model_folder(options.model, base_model=options.base_model)
     model, tokenizer = load_model(folder, base_model=options.base_model)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
