@@ -294,8 +294,10 @@ class Tiny(torch.nn.Module):
 
 def test_on_the_lazy_device_as_the_doctor_runs():
     """torch.utils.checkpoint alone fails there (it looks up a `torch.lazy` for the RNG)."""
-    lazy = pytest.importorskip("torch._lazy.ts_backend")
-    lazy.init()
+    pytest.importorskip("torch._lazy.ts_backend")
+    from hputrain.accelerators.cpu import _start_lazy_backend
+
+    _start_lazy_backend()  # once per process: another test may have started it already
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(-1, dims=1)
     labels[:, :2] = labels[:, -1] = -100

@@ -8,7 +8,8 @@ simple, so that what `hputrain doctor` reports is the user's, not the backend's:
 - unbind, split and chunk hand back tensors the backend has lost track of (the next op sees a
   plain CPU tensor); select and narrow give the same views and work.
 - scaled_dot_product_attention has no kernel; composed of matmul, mask and softmax it stays in
-  the graph (the mask inverted by `eq`, since logical_not falls back).
+  the graph (the mask inverted by `eq`, since logical_not falls back), a query with nothing to
+  attend to giving zeros as torch's kernels do (not softmax's NaN).
 - indexing by integer tensors (`mask[batch_idx, kv_idx]`, as transformers builds its attention
   masks) falls back; it is done here as an embedding lookup. Boolean indexing still falls back, as it
   does on Gaudi (its result's shape depends on the data).
@@ -114,7 +115,11 @@ def _composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is not None:
         scores = (scores.masked_fill(attn_mask.eq(False), float("-inf"))
                   if attn_mask.dtype == torch.bool else scores + attn_mask)
-    probs = torch.softmax(scores, dim=-1)
+    # a query that may attend to nothing (a left-padded prompt's padding) gets zeros, as torch's
+    # own kernels give it: softmax over a row of -inf would be NaN, which the next layer's keys
+    # and values carry into every position (0 x NaN); `max` stays in the graph, `amax` does not
+    dead = scores.detach().max(dim=-1, keepdim=True).values.eq(float("-inf"))
+    probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return probs @ v

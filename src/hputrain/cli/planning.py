@@ -26,8 +26,8 @@ def plan_run(flags: dict, target: str, target_bytes: int, time_budget: float = 9
 
 def planned_step(flags: dict, target: str | None = None):
     """(rehearsal.plan's StepModel, TrainingArguments) of the step the run `flags` describe
-    takes: DPO's on preference pairs, else the recipe's own; precision "auto" as it means on
-    `target` (None: as given)."""
+    takes: DPO's on preference pairs, GRPO's on prompts with --reward-funcs, else the recipe's
+    own; precision "auto" as it means on `target` (None: as given)."""
     from ..accelerators.registry import target_runs_bf16
     from ..recipes import chosen_recipe
     from ..rehearsal.plan import StepModel
@@ -40,42 +40,67 @@ def planned_step(flags: dict, target: str | None = None):
     if args.precision == "auto" and target is not None:  # the planned device's, not this one's
         args = dataclasses.replace(args, precision="bf16-mixed" if target_runs_bf16(target) else "fp32")
     step = StepModel(**recipe.step_model(options))
-    if _trains_dpo(recipe, options, dataset_given):
+    method = _method(recipe, options, dataset_given)
+    if method == "dpo":
         step = _dpo_step(recipe, options, step)
+    elif method == "grpo":
+        step = _grpo_step(recipe, options, step)
     return step, args
 
 
 NO_DATASET = "(not given to hputrain plan)"
 
 
-def _trains_dpo(recipe, options, dataset_given: bool) -> bool:
-    """Whether the run is DPO, decided as `hputrain train` decides it: from the data's columns
-    (read, not the rows), checked against --method and the DPO flags; without --dataset, from
-    --method dpo or a DPO flag (--ref-model, --precompute-ref-log-probs, --beta ...)."""
+def _method(recipe, options, dataset_given: bool) -> str:
+    """"dpo", "grpo" or "lm" (the recipe's own step), decided as `hputrain train` decides it:
+    from the data's columns (read, not the rows), checked against --method and each method's
+    flags; without --dataset, from --method, or a flag only one method takes (GRPO's
+    --reward-funcs, --num-generations ...; DPO's --ref-model, --precompute-ref-log-probs ...)."""
+    from ..config.grpo import grpo_flags_given
     from ..config.preference import preference_flags_given
     from ..recipes import hf
 
     if recipe is not hf:
-        return False
+        return "lm"
     if dataset_given:
-        return hf.data_kind(options) == "dpo"
-    return options.method == "dpo" or bool(options.ref_model or preference_flags_given(options))
+        kind = hf.data_kind(options)
+        return kind if kind in ("dpo", "grpo") else "lm"
+    grpo_only = [n for n in grpo_flags_given(options) if n not in ("beta", "loss_type")]
+    if options.method == "grpo" or (options.method == "auto" and (options.reward_funcs or grpo_only)):
+        return "grpo"
+    dpo = options.method == "dpo" or bool(options.ref_model or preference_flags_given(options))
+    return "dpo" if dpo else "lm"
+
+
+def _reference_build(recipe, options):
+    """--ref-model's build (its architecture from its config.json alone, as the policy's), or
+    None without one."""
+    from ..rehearsal.plan import StepModel
+
+    if not options.ref_model:
+        return None
+    ref_options = dataclasses.replace(options, model=options.ref_model, lora_r=None,
+                                      lora_alpha=None, lora_dropout=None, lora_target_modules=None)
+    build = StepModel(**recipe.step_model(ref_options)).build
+    return lambda: build(False)
 
 
 def _dpo_step(recipe, options, step):
-    """The DPO step of the run (rehearsal/plan_dpo.py): --ref-model's architecture from its
-    config.json alone, as the policy's."""
-    from ..rehearsal.plan import StepModel
+    """The DPO step of the run (rehearsal/plan_dpo.py)."""
     from ..rehearsal.plan_dpo import dpo_step
 
-    reference = None
-    if options.ref_model and not options.precompute_ref_log_probs:
-        ref_options = dataclasses.replace(options, model=options.ref_model, lora_r=None,
-                                          lora_alpha=None, lora_dropout=None,
-                                          lora_target_modules=None)
-        reference = StepModel(**recipe.step_model(ref_options)).build
+    reference = None if options.precompute_ref_log_probs else _reference_build(recipe, options)
     options = recipe.method_options(options, "dpo")  # DPO's beta and loss_type where not given
-    return dpo_step(step, options, (lambda: reference(False)) if reference else None)
+    return dpo_step(step, options, reference)
+
+
+def _grpo_step(recipe, options, step):
+    """The GRPO step of the run (rehearsal/plan_grpo.py): the reference only with beta > 0."""
+    from ..rehearsal.plan_grpo import grpo_step
+
+    options = recipe.method_options(options, "grpo")  # GRPO's beta and loss_type where not given
+    reference = _reference_build(recipe, options) if options.beta > 0 else None
+    return grpo_step(step, options, reference)
 
 
 PLAN_SECONDS = 15.0

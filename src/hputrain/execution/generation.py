@@ -18,8 +18,9 @@ graph compile each time. Here every shape is fixed after warm-up:
 - the decode step is one module captured once per (rows, bucket) (`wrap_graph_inference`:
   torch.compile on the CPU, CUDA graphs, HPU graphs), the sampler one per (rows, Sampling);
 - sampling runs on the device (repetition penalty, temperature, top-k, top-p, min-p in generate's
-  order, Gumbel-max with exponential noise drawn outside the graphs from the caller's generator),
-  and nothing is read back to the host until the rollout is over.
+  order, Gumbel-max with exponential noise drawn outside the graphs from the caller's generator,
+  which may be a CPU one where the device has none: exponential_noise), and nothing is read back
+  to the host until the rollout is over.
 """
 from __future__ import annotations
 
@@ -389,8 +390,7 @@ class StaticGenerator:
         column = torch.tensor([bucket], device=self.device)
         out = []
         for step in range(self.completion):
-            noise = None if sampling.greedy else torch.empty_like(logits).exponential_(
-                generator=generator)
+            noise = None if sampling.greedy else exponential_noise(logits, generator)
             token = sample(logits, seen, noise)
             token = token + (self.pad - token) * finished  # generate's rule: pad after the end
             finished = finished | (token[:, None] == self.eos).any(dim=-1).long()
@@ -403,6 +403,17 @@ class StaticGenerator:
                 position, column = position + 1, column + 1
             self.accelerator.mark_step()
         return torch.stack(out, dim=1)
+
+
+def exponential_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`, on its device, from `generator` (torch's default one when
+    None). A generator on another device (a CPU one for the CPU's lazy backend, which has none of
+    its own) draws where it lives and the draws are copied over: the same numbers as in eager
+    mode, and in lazy mode a graph input, not an op."""
+    if generator is None or generator.device.type == like.device.type:
+        return torch.empty_like(like).exponential_(generator=generator)
+    drawn = torch.empty(like.shape, dtype=like.dtype, device=generator.device)
+    return drawn.exponential_(generator=generator).to(like.device)
 
 
 def _vocab_size(model) -> int:

@@ -17,6 +17,8 @@ moment of the peak. Its categories become the plan's:
   activations  what forward keeps for backward
   temporary    everything else alive at the peak: the logits and the loss's log-softmax,
                fsdp's all-gather and reduce-scatter buffers, ddp's gradient buckets, the inputs
+  kv_cache     (GRPO only) the generation's key/value cache, held from the first rollout on
+               (plan_grpo.py)
 
 ddp is traced as one process (each rank holds the whole model) plus its gradient buckets, a
 flat copy of the trainable gradients that DistributedDataParallel allocates in C++ where no
@@ -69,11 +71,19 @@ class StepModel:
     is, given `lora`; None (or returning None): none (the adapter-disabled policy, or
     precomputed log-probs)."""
     objective: Callable | None = None
-    """The step's loss as the run computes it: `objective(reference, model, sharded)` returns a
-    callable (module, batch) -> loss (plan_dpo.py); None: the model's own loss (causal LM)."""
+    """The step's loss as the run computes it: `objective(reference, model, sharded, args)`
+    returns a callable (module, batch) -> loss (plan_dpo.py, plan_grpo.py); None: the model's
+    own loss (causal LM)."""
     preference: object | None = None
     """DPO's settings (beta, loss_type, label_smoothing, precompute_ref_log_probs) when the step
     is a DPO step (plan_dpo.py), else None."""
+    held: Callable | None = None
+    """What the method keeps on the device beside the step, all through it, where no tracker
+    sees it allocated: `held(model, args, precision)` -> {category: bytes} (GRPO's generation
+    key/value cache, plan_grpo.py); None: nothing."""
+    grpo: dict | None = None
+    """GRPO's settings (config.grpo.GRPOOptions' fields) when the step is a GRPO step
+    (plan_grpo.py), else None."""
 
 
 @dataclass
@@ -141,7 +151,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             reference = strategy.place_frozen(reference, torch.device("cpu"))
         elif reference is not None and sharded:  # as place_frozen does; fake tensors cannot
             strategy._shard(reference)  # be moved (.to), and are where the trace runs already
-        loss_fn = (step.objective(reference, model, sharded) if step.objective
+        loss_fn = (step.objective(reference, model, sharded, args) if step.objective
                    else lambda module, batch: loss_of(_call(module, batch)))
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
@@ -166,6 +176,9 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         traced.breakdown["temporary"] += buckets
         traced.peak_bytes += buckets
+    for category, nbytes in (step.held(model, args, precision) if step.held else {}).items():
+        traced.breakdown[category] = traced.breakdown.get(category, 0) + nbytes
+        traced.peak_bytes += nbytes
     return traced
 
 
@@ -270,7 +283,10 @@ def _suggestions(changes, step: StepModel, args, trace, target_bytes: int,
     for label, flags in changes:
         if time.perf_counter() > deadline:
             break
-        traced = trace(*_apply(step, args, flags))
+        try:
+            traced = trace(*_apply(step, args, flags))
+        except InputError:  # a change the run's other settings refuse (GRPO's generation batch)
+            continue
         if traced.host_bytes:  # offload needs the host to hold it, per device, all steps long
             label += f" ({traced.host_bytes / 2**30:,.1f} GiB of host memory a device)"
         found.append({"change": label, "flags": flags, "peak_bytes": traced.peak_bytes,
@@ -285,7 +301,10 @@ def _suggestions(changes, step: StepModel, args, trace, target_bytes: int,
             all_flags += flags
             if len(labels) == 1:
                 continue  # traced alone above
-            peak = trace(step_now, args_now).peak_bytes
+            try:
+                peak = trace(step_now, args_now).peak_bytes
+            except InputError:
+                continue
             found.append({"change": " + ".join(labels), "flags": list(all_flags),
                           "peak_bytes": peak, "fits": peak <= target_bytes})
             if peak <= target_bytes:

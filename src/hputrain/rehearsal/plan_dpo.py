@@ -52,7 +52,7 @@ def dpo_step(base: StepModel, preference, reference_model: Callable[[], torch.nn
             rows["ref_logps"] = torch.zeros(ids.shape[0])
         return rows
 
-    def objective(frozen, model, sharded: bool):
+    def objective(frozen, model, sharded: bool, args):
         adapters = (model if frozen is None and not precomputed
                     and hasattr(model, "disable_adapter") else None)
         objective = PreferenceObjective(config, adapters=adapters)

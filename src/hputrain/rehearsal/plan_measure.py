@@ -6,6 +6,11 @@ For DPO the pairs fill the block (a prompt of half the block, completions of the
 as the plan assumes; the reference is what the run would have: a frozen model built as the plan
 builds it, the adapter-disabled policy under LoRA, or log-probs precomputed (by a frozen copy,
 freed before training) under precompute_ref_log_probs.
+
+For GRPO (GRPOTrainer) the prompts fill the largest bucket and the completions are fixed ones of
+max_completion_length tokens with no end (GRPOTrainer's `complete` hook: no generation, so no
+key/value cache, which the plan holds beside the step by its size); the rollout runs before the
+step StepPeak counts, as in the run, and the reference (beta > 0) is held as the plan holds it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ def measure_step(step: StepModel, args, output_dir: str) -> tuple[Trace, bool]:
     model = step.build(step.lora)
     peak = StepPeak(3)
     copies = 4 * args.devices * args.num_nodes  # every rank has batches for each step
-    if step.preference is None:
+    if step.grpo is not None:
+        trainer = _grpo_trainer(step, args, model, peak)
+    elif step.preference is None:
         batch = step.batch(args.per_device_train_batch_size)
         samples = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
                    for i in range(args.per_device_train_batch_size)] * copies
@@ -59,3 +66,43 @@ def _dpo_trainer(step: StepModel, args, model, copies: int, peak):
     trainer = DPOTrainer(model, config, ref_model=reference, train_dataset=pairs,
                          callbacks=[peak])
     return trainer
+
+
+def _grpo_trainer(step: StepModel, args, model, peak):
+    from ..training.grpo import GRPOTrainer
+    from .plan_grpo import grpo_config
+
+    config = grpo_config(step.grpo, args)
+    bucket, length = max(config.prompt_buckets), config.max_completion_length
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ranks = args.devices * args.num_nodes
+    prompts = 4 * ranks * config.per_device_train_batch_size * config.gradient_accumulation_steps
+
+    def complete(generation: int, prompt_ids: list[list[int]]) -> list[list[int]]:
+        return [[1 + (7 * row + t) % (vocab - 1) for t in range(length)]  # never 0, the end
+                for row in range(len(prompt_ids))]
+
+    def alternate(prompts, completions, completion_ids, **columns):  # advantages not all 0
+        return [float(i % 2) for i in range(len(prompts))]
+
+    reference = step.reference(step.lora) if step.reference else None
+    return GRPOTrainer(model, config, reward_funcs=[alternate],
+                       train_dataset=[{"prompt": str(i)} for i in range(prompts)],
+                       processing_class=_BucketTokenizer(bucket), ref_model=reference,
+                       complete=complete, callbacks=[peak])
+
+
+class _BucketTokenizer:
+    """Every prompt as `bucket` tokens (the largest bucket, full, as the plan assumes), 0 the
+    end and padding token."""
+
+    eos_token_id = pad_token_id = 0
+
+    def __init__(self, bucket: int) -> None:
+        self.bucket = bucket
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [1 + (int(text) + t) % 97 for t in range(self.bucket)]}
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [" ".join(map(str, row)) for row in ids]

@@ -103,6 +103,12 @@ class PreferenceObjective(Objective):
         if loop.group.cp_size > 1:
             raise InputError("DPO under context parallelism is not supported: "
                              "set context_parallel_size=1")
+        if self.config.precompute_ref_log_probs and self.adapters is not None and loop.sharded:
+            # found by the pairwise table: the adapter-disabled passes before training leave the
+            # sharded policy's first training step with gradients FSDP2 cannot take (torch 2.13)
+            raise InputError("precompute_ref_log_probs with LoRA under strategy='fsdp' is not "
+                             "supported: leave it out (under LoRA the reference is the "
+                             "adapter-disabled base, which costs no memory)")
         if self.reference is not None:
             self.reference = loop.place_frozen(self.reference)
 

@@ -108,11 +108,6 @@ class GRPOObjective(Objective):
         if group.cp_size > 1:
             raise InputError("GRPO under context parallelism is not supported: set "
                              "context_parallel_size=1")
-        if loop.accelerator.execution_mode == "lazy":
-            # left-padded prompts leave rows that attend to nothing, whose NaN the CPU's lazy
-            # backend carries into every position: refused until the rehearsal is exact
-            raise InputError("GRPO in lazy mode is not supported yet: set execution_mode='eager' "
-                             "or 'compile'")
         size, steps = generation_layout(cfg, cfg.per_device_train_batch_size,
                                         cfg.gradient_accumulation_steps, group.dp_size)
         self.layout = Layout(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
@@ -201,8 +196,10 @@ class GRPOObjective(Objective):
         seed = (self.config.seed * 1_000_003 + generation * 7919 + loop.group.rank) % 2**62
         try:
             random = torch.Generator(device=loop.device).manual_seed(seed)
-        except RuntimeError:  # a device without generators of its own (the CPU's lazy backend)
-            random = None  # draws from torch's default one: rollouts repeat, resumes differ
+        except RuntimeError:  # a device without generators of its own (the CPU's lazy backend):
+            # a CPU one, whose draws the generator copies over (generation.exponential_noise), so
+            # that rollouts are eager mode's and a resumed run draws what an uninterrupted one did
+            random = torch.Generator().manual_seed(seed)
         with loop.forward_context():
             out = self.generator.generate(prompts, self.sampling, random)
         self.generation_seconds += out.seconds
