@@ -5,8 +5,6 @@ resumed one, and a reward that must rise when the policy learns."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from .hf_fixtures import tiny_llama_folder
 transformers = pytest.importorskip("transformers", reason="GRPO fine-tunes Hugging Face models")
 
 from hputrain import GRPOConfig, GRPOTrainer, grpo_loss  # noqa: E402
+from hputrain.cli import main  # noqa: E402
 from hputrain.errors import InputError  # noqa: E402
 
 PROMPTS = ["the quick", "to be or", "a stitch", "def add", "that is", "a penny", "one two", "x y z"]
@@ -157,12 +156,14 @@ def test_bad_input_is_one_line(folder, tmp_path):
         GRPOTrainer(model, config(tmp_path), train_dataset=rows, processing_class=tokenizer)
 
 
-def hputrain_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu", *args],
-                          capture_output=True, text=True, timeout=600)
+def hputrain_train(capsys, *args: str) -> tuple[int, str, str]:
+    """`hputrain train --cpu ARGS` through the command line's entry (in this process)."""
+    status = main(["train", "--cpu", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
-def test_from_the_command_line(folder, tmp_path):
+def test_from_the_command_line(folder, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "answer": str(i)}) + "\n"
                                for i, p in enumerate(PROMPTS)))
@@ -170,24 +171,26 @@ def test_from_the_command_line(folder, tmp_path):
     rewards.write_text("def tens(prompts, completions, completion_ids, answer, **_):\n"
                        "    return [sum(t % 10 == 0 for t in ids) / len(ids) for ids in completion_ids]\n"
                        "def broken(prompts, completions, **_):\n    return [1.0]\n")
-    common = ["--model", str(folder), "--dataset", str(prompts), "--num-generations", "4",
-              "--max-completion-length", "8", "--per-device-train-batch-size", "8",
-              "--max-steps", "2", "--disable-tqdm", "--logging-steps", "1"]
-    done = hputrain_train(*common, "--reward-funcs", f"{rewards}:tens", "--output-dir",
-                          str(tmp_path / "out"), "--lora-r", "4", "--beta", "0.04")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "method: GRPO on prompts" in done.stdout
-    assert "reference: the base model with the LoRA adapters disabled" in done.stdout
+    common = ["--model", str(folder), "--dataset", str(prompts), "--max-completion-length", "8",
+              "--per-device-train-batch-size", "8", "--max-steps", "2", "--disable-tqdm",
+              "--logging-steps", "1"]
+    status, out, err = hputrain_train(capsys, *common, "--num-generations", "4", "--reward-funcs",
+                                      f"{rewards}:tens", "--output-dir", str(tmp_path / "out"),
+                                      "--lora-r", "4", "--beta", "0.04")
+    assert status == 0, err[-2000:]
+    assert "method: GRPO on prompts" in out
+    assert "reference: the base model with the LoRA adapters disabled" in out
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
     assert "kl" in records(tmp_path / "out")[0]
     for args, message in [(["--reward-funcs", f"{rewards}:broken"], "broken"),
                           (["--reward-funcs", f"{rewards}:missing"], "missing"),
                           (["--reward-funcs", str(tmp_path / "nowhere.py:f")], "nowhere"),
-                          ([], "--reward-funcs"),
+                          (["--num-generations", "4"], "--reward-funcs"),
                           (["--reward-funcs", f"{rewards}:tens", "--num-generations", "1"],
                            "num_generations")]:
-        cut = [a for a in common if a not in ("--num-generations", "4")] \
-            if "--num-generations" in args else common
-        done = hputrain_train(*cut, *args, "--output-dir", str(tmp_path / "bad"))
-        assert done.returncode == 2, (args, done.stderr[-1500:])
-        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-1500:]
+        if "--num-generations" not in args:
+            args = [*args, "--num-generations", "4"]
+        status, _, err = hputrain_train(capsys, *common, *args, "--output-dir", str(tmp_path / "bad"))
+        lines = [line for line in err.splitlines() if line.startswith("hputrain: error")]
+        assert status == 2 and len(lines) == 1 and message in lines[0], (args, err[-1500:])
+        assert "Traceback" not in err
