@@ -31,7 +31,7 @@ OLDEST_PINS := transformers==4.56.2 peft==0.17.1 datasets==3.6.0 accelerate==1.1
 OLDEST_TESTS := tests/test_recipe_hf.py tests/test_sft_data.py tests/test_sft_recipe.py \
 	tests/test_lora_checkpoint.py tests/test_checkpoint_hf.py tests/test_hf_vocabulary.py \
 	tests/test_dpo.py tests/test_adapters.py tests/test_sharded_loading.py tests/test_token_cache.py \
-	tests/test_streaming.py
+	tests/test_streaming.py tests/test_grpo.py tests/test_generation.py
 
 $(OLDEST)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST)

@@ -24,7 +24,7 @@ import torch
 
 from ..config.grpo import GRPOConfig, generation_layout
 from ..errors import InputError
-from ..execution.generation import Sampling, StaticGenerator
+from ..execution.generation import Sampling, StaticGenerator, completion_mask
 from .grpo_loss import METRIC_SLOTS, group_advantages, grpo_loss, metric_means, reward_metrics
 from .logps import token_logps
 from .objective import Objective
@@ -188,8 +188,6 @@ class GRPOObjective(Objective):
             ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
             for i, tokens in enumerate(fixed):
                 ids[i, :len(tokens)] = torch.tensor(tokens[:width], dtype=torch.long)
-            from ..execution.generation import completion_mask
-
             ids = ids.to(loop.device)
             mask = completion_mask(ids, torch.tensor([self.tokenizer.eos_token_id], device=loop.device))
             return prompt_ids, prompt_mask, ids, mask

@@ -436,15 +436,10 @@ class Trainer:
             "grad_norm": grad_norm.item() if grad_norm is not None else None,
             "tokens_per_second": clock.interval_rate(),
             **self.accelerator.memory_stats(),
-            **self.method_metrics(),
+            **self.objective.metrics(self.group),  # the method's own: DPO's rewards, GRPO's ...
         }
         self._call("on_log", record)
         return record["loss"]
-
-    def method_metrics(self) -> dict:
-        """What a training method adds to each logging record, over the steps since the last one
-        (DPO's rewards and log-probs: training/dpo.py); language modelling adds nothing."""
-        return self.objective.metrics(self.group)
 
     def _agree_before_save(self, logged_loss: torch.Tensor, steps: int) -> None:
         """Before a save, one more agreement (_agree): the loss summed since the last log must be
@@ -532,9 +527,8 @@ class Trainer:
                     place_frozen=self._place_frozen, device_scalar=self._on_device_scalar)
 
     def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A frozen module (a reference) on this rank's device in the policy's precision, sharded
-        like the policy under fsdp (whose forward is a collective), stored in bf16 under bf16
-        (Precision.convert_frozen)."""
+        """A frozen module (a reference) on this rank's device, sharded like the policy under
+        fsdp, stored in bf16 under bf16 (Precision.convert_frozen)."""
         return self.strategy.place_frozen(self.precision.convert_frozen(module), self.device)
 
     def train_batches(self) -> MicroBatches:
