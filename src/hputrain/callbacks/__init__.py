@@ -24,10 +24,10 @@ is the only process-wide input to a Trainer, and it exists only inside that bloc
 such a callback may change is named: a `rehearsal_dir()` moves the run to lazy mode on the CPU in
 that folder (TrainingArguments.for_rehearsal), which is how the doctor rehearses a Gaudi run.
 """
-from .base import Callback, added_to_every_trainer, for_every_trainer
+from .base import Callback, CallbackHost, added_to_every_trainer, for_every_trainer
 from .early_stopping import EarlyStopping
 from .profiler import profiling_callbacks
 from .writers import reporting_callbacks, show_message
 
-__all__ = ["Callback", "EarlyStopping", "added_to_every_trainer", "for_every_trainer",
+__all__ = ["Callback", "CallbackHost", "EarlyStopping", "added_to_every_trainer", "for_every_trainer",
            "profiling_callbacks", "reporting_callbacks", "show_message"]

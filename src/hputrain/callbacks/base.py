@@ -60,3 +60,29 @@ def added_to_every_trainer(factory: Callable[[], Callback]) -> Iterator[None]:
 def for_every_trainer() -> list[Callback]:
     """New callbacks from the factories of the enclosing `added_to_every_trainer` blocks."""
     return [factory() for factory in _EVERY_TRAINER]
+
+
+class CallbackHost:
+    """What owns `self.callbacks` (the Trainer): calls their hooks, and adds and removes them as
+    the Hugging Face Trainer's add_callback / pop_callback / remove_callback do."""
+
+    callbacks: list
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def add_callback(self, callback: Callback | type) -> None:
+        """Append a callback (an instance, or a class to make one of)."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def pop_callback(self, callback: Callback | type) -> Callback | None:
+        """Remove and return the callback (that instance, or the first of that class), or None."""
+        for found in self.callbacks:
+            if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
+                self.callbacks.remove(found)
+                return found
+        return None
+
+    def remove_callback(self, callback: Callback | type) -> None:
+        self.pop_callback(callback)

@@ -96,7 +96,6 @@ class PreferenceObjective(Objective):
         self.precompute_forwards = 0  # reference forwards run by precompute_reference
         self.sums: torch.Tensor | None = None
         self.pairs = 0  # this rank's pairs summed into `sums`
-        self.counting = True  # False around a batch repeated only to keep ranks in step
 
     def bind(self, loop) -> None:
         super().bind(loop)
@@ -120,14 +119,6 @@ class PreferenceObjective(Objective):
         """Whether a reference forward can still run (the frozen model is freed once every split
         carries precomputed log-probs)."""
         return self.reference is not None or self.adapters is not None
-
-    @contextlib.contextmanager
-    def uncounted(self):
-        self.counting = False
-        try:
-            yield
-        finally:
-            self.counting = True
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -142,8 +142,9 @@ class GRPOObjective(Objective):
         loop, cfg, layout = self.loop, self.config, self.layout
         start = time.perf_counter()
         prompt_ids, prompt_mask, completion_ids, mask = self._complete(generation, rows)
-        ids = completion_ids.cpu()  # the rollout's one host read
-        ended = mask.cpu().bool()
+        # the rollout's one host read: the tokens and where each completion ends
+        ids, ended = torch.stack([completion_ids, mask.to(completion_ids.dtype)]).cpu().unbind(0)
+        ended = ended.bool()
         kept = [row[m].tolist() for row, m in zip(ids, ended)]
         truncated = [not any(t == self.tokenizer.eos_token_id for t in k) for k in kept]
         data = [self.rows[self.kept[r]] for r in rows]
@@ -155,7 +156,9 @@ class GRPOObjective(Objective):
         rewards = self.reward_funcs(prompts, completions, kept, columns, step)
         if cfg.mask_truncated_completions:
             mask = mask * torch.tensor([not t for t in truncated], device=mask.device)[:, None]
-        active = mask.sum(dim=1).cpu().tolist() if cfg.mask_truncated_completions else [len(k) for k in kept]
+        # the tokens the loss counts (a truncated completion's none, when they are masked)
+        active = [0 if cfg.mask_truncated_completions and t else len(k)
+                  for k, t in zip(kept, truncated)]
         everyone = loop.group.gather_objects(
             (rewards.tolist(), [len(k) for k in kept], truncated, active, prompts, completions))
         all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
@@ -173,7 +176,7 @@ class GRPOObjective(Objective):
         self._old_and_reference(batch)
         self._note(generation, step, all_rewards, advantages, lengths, flags, everyone,
                    time.perf_counter() - start)
-        seen = int(prompt_mask.sum()) + sum(len(k) for k in kept)  # this rank's tokens
+        seen = sum(len(self.prompt_ids[r]) for r in rows) + sum(len(k) for k in kept)  # this rank's
         return self._split(batch, generation, loop.device_scalar(float(tokens)), seen)
 
     def _complete(self, generation: int, rows: list[int]):

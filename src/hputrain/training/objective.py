@@ -101,7 +101,15 @@ class Objective:
         """Around an evaluation: metrics summed for training's next record are kept aside."""
         yield
 
+    counting = True
+    """False around a batch a rank repeats only to keep in step with its peers (`uncounted`): a
+    method that sums metrics of its own leaves that batch out of them."""
+
     @contextlib.contextmanager
     def uncounted(self):
         """Around a batch a rank repeats only to keep in step with its peers: counts in no metric."""
-        yield
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True

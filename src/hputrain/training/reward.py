@@ -195,7 +195,6 @@ class RewardObjective(Objective):
         self.high: torch.Tensor | None = None
         self.pairs = 0  # this rank's pairs summed into `sums`
         self.num_tokens = 0  # training tokens so far, every rank's (TRL's num_tokens)
-        self.counting = True  # False around a batch repeated only to keep ranks in step
         self.training = True  # False inside evaluating(): tokens count for training only
 
     def bind(self, loop) -> None:
@@ -209,14 +208,6 @@ class RewardObjective(Objective):
 
     def eval_dataset(self, dataset):
         return encoded(dataset, self.tokenizer, self.config.max_length)
-
-    @contextlib.contextmanager
-    def uncounted(self):
-        self.counting = False
-        try:
-            yield
-        finally:
-            self.counting = True
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ..accelerators import detect_accelerator
-from ..callbacks import (Callback, for_every_trainer, profiling_callbacks, reporting_callbacks,
-                         show_message)
+from ..callbacks import (Callback, CallbackHost, for_every_trainer, profiling_callbacks,
+                         reporting_callbacks, show_message)
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
 from ..checkpoint.folder import checkpoint_dir, lock_output_dir, rotate_checkpoints
@@ -63,7 +63,7 @@ class TrainOutput:
     interrupted_by: int | None = None  # the signal the ranks agreed to stop early for, if any
 
 
-class Trainer:
+class Trainer(CallbackHost):
     def __init__(self, model: torch.nn.Module, args: TrainingArguments | dict | None = None,
                  train_dataset=None, eval_dataset=None, data_collator=None, compute_loss=None,
                  accelerator_config: AcceleratorConfig | None = None, accelerator=None,
@@ -281,26 +281,6 @@ class Trainer:
             self._call("on_train_end")
 
     # -- callbacks -----------------------------------------------------------------------------
-    def _call(self, hook: str, *args) -> None:
-        for callback in self.callbacks:
-            getattr(callback, hook)(self, *args)
-
-    def add_callback(self, callback: Callback | type) -> None:
-        """Append a callback (an instance, or a class to make one of), as the Hugging Face
-        Trainer's add_callback."""
-        self.callbacks.append(callback() if isinstance(callback, type) else callback)
-
-    def pop_callback(self, callback: Callback | type) -> Callback | None:
-        """Remove and return the callback (that instance, or the first of that class), or None."""
-        for found in self.callbacks:
-            if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
-                self.callbacks.remove(found)
-                return found
-        return None
-
-    def remove_callback(self, callback: Callback | type) -> None:
-        self.pop_callback(callback)
-
     def log_message(self, text: str) -> None:
         """A line for the user on rank 0 (resume notes, signals, early stopping): above the
         progress bar when there is one, else on stdout."""
