@@ -19,6 +19,8 @@ from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
 from .hf_adapters import (adapter_base, continued_rank, is_adapter_folder, load_adapter,
                           tokenizer_folder, tokenizer_source)
+from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
+from .hf_common import first_line as _first_line
 from .hf_methods import data_kind, is_prompts, method_options  # noqa: F401  (imported from here too)
 
 METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
@@ -469,22 +471,6 @@ def _is_linear(module) -> bool:
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def choose_block_size(asked: int | None, config, tokenizer) -> int:
-    """`asked`, or min(1024, the longest sequence the model takes) — run_clm's default."""
-    limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions",
-                                                  "max_sequence_length", "seq_length")
-              if isinstance(getattr(config, name, None), int)]
-    if 0 < getattr(tokenizer, "model_max_length", 0) < 1_000_000:  # unset is a huge sentinel
-        limits.append(tokenizer.model_max_length)
-    longest = min(limits) if limits else None
-    if asked is None:
-        return min(1024, longest) if longest else 1024
-    if longest is not None and asked > longest:
-        raise InputError(f"--block-size {asked} is longer than the {longest} positions the model "
-                         f"takes: give --block-size {longest} or less")
-    return asked
-
-
 # -- the run header ------------------------------------------------------------------------------
 
 def model_line(trainer, model, options: HFOptions) -> str:
@@ -540,11 +526,6 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _shapes() -> str:

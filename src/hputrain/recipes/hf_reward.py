@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from . import hf_data
+from .hf_common import choose_block_size, first_line
 
 SHAPES = {"prompt_chosen_rejected": "reward model on preference pairs ('prompt', 'chosen', "
                                     "'rejected')",
@@ -39,7 +40,7 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     shape = check_reward_data(options, folder)
     model, tokenizer, head = load_reward_model(folder, options.from_scratch)
     use_chat_template(tokenizer, options.chat_template)
-    block_size = _block_size(options.block_size, model.config, tokenizer)
+    block_size = choose_block_size(options.block_size, model.config, tokenizer)
     if options.lora_r:
         model = add_reward_lora(model, options)
     train, validation, stats = load_reward_pairs(options, tokenizer, block_size)
@@ -102,7 +103,7 @@ def load_reward_model(folder: Path, from_scratch: bool = False):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, num_labels=1)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"--model {folder} cannot be read: {_first_line(exc)}") from None
+        raise InputError(f"--model {folder} cannot be read: {first_line(exc)}") from None
     auto = transformers.AutoModelForSequenceClassification
     try:
         if from_scratch:
@@ -113,7 +114,7 @@ def load_reward_model(folder: Path, from_scratch: bool = False):
                                                output_loading_info=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"--model {folder} cannot be loaded as a sequence classifier: "
-                         f"{_first_line(exc)}") from None
+                         f"{first_line(exc)}") from None
     rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
     if rows is not None and len(tokenizer) > rows:  # one line here, not an IndexError later
         raise InputError(f"--model {folder}: its tokenizer has {len(tokenizer)} tokens and the "
@@ -157,7 +158,7 @@ def add_reward_lora(model, options):
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             return peft.get_peft_model(model, config)
     except ValueError as exc:
-        raise InputError(f"LoRA cannot wrap {type(model).__name__}: {_first_line(exc)} (name its "
+        raise InputError(f"LoRA cannot wrap {type(model).__name__}: {first_line(exc)} (name its "
                          "layers with --lora-target-modules)") from None
 
 
@@ -186,22 +187,6 @@ def load_reward_pairs(options, tokenizer, block_size: int):
     return pairs, held or None, stats
 
 
-def _block_size(asked: int | None, config, tokenizer) -> int:
-    """--block-size, else min(1024, the longest sequence the model takes) (as the other Hugging
-    Face methods choose it: recipes/hf.py; TRL's max_length is 1024)."""
-    limits = [value for name in ("max_position_embeddings", "n_positions", "max_sequence_length")
-              if isinstance(value := getattr(config, name, None), int)]
-    if 0 < getattr(tokenizer, "model_max_length", 0) < 1_000_000:  # unset is a huge sentinel
-        limits.append(tokenizer.model_max_length)
-    longest = min(limits) if limits else None
-    if asked is None:
-        return min(1024, longest) if longest else 1024
-    if longest is not None and asked > longest:
-        raise InputError(f"--block-size {asked} is longer than the {longest} positions the model "
-                         f"takes: give --block-size {longest} or less")
-    return asked
-
-
 def _header(trainer, model, options, shape: str, head: str, stats, train: int, held: int,
             block_size: int) -> str:
     from .finish import kernels_line
@@ -228,8 +213,3 @@ def _load_line(model, final: Path, options) -> str:
         return (f'load it with PeftModel.from_pretrained(AutoModelForSequenceClassification'
                 f'.from_pretrained("{base}", num_labels=1), "{final}")')
     return f'load it with AutoModelForSequenceClassification.from_pretrained("{final}")'
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
