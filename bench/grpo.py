@@ -54,10 +54,12 @@ from hputrain.data.batching import read_corpus  # noqa: E402
 
 RUNS = {"hputrain": {"graphs": False, "buckets": None},
         "hputrain-graphs": {"graphs": True, "buckets": None},
+        "hputrain-b32": {"graphs": False, "buckets": (32,)},
+        "hputrain-b16": {"graphs": False, "buckets": (16, 32)},
         "hputrain-graphs-b32": {"graphs": True, "buckets": (32,)},
         "trl": None}
-"""hputrain's variants (the captured decode step; prompt buckets of 32 instead of the default
-64, 128, 256, 512) and TRL's one run."""
+"""hputrain's variants (the captured decode step; prompt buckets of 32, or 16 and 32, instead
+of the default 64, 128, 256, 512: the prompts here have 10 to 24 tokens) and TRL's one run."""
 
 GROUP = 8
 """num_generations and per_device_train_batch_size."""

@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from hputrain.accelerators import detect_accelerator  # noqa: E402
 from hputrain.errors import InputError  # noqa: E402
 from hputrain.execution.generation import (  # noqa: E402
-    Sampling, StaticGenerator, completion_mask, process_logits)
+    Sampler, Sampling, StaticGenerator, completion_mask, inverse_cdf, process_logits,
+    uniform_noise)
 
 PAD, VOCAB, C = 3, 300, 10
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 42]]
@@ -132,6 +133,43 @@ def test_processed_distribution_equals_transformers(sampling):
     torch.testing.assert_close(ours, theirs)
     if sampling.top_k or sampling.top_p < 1 or sampling.min_p:
         assert (ours == 0).any()  # something was filtered out
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(), Sampling(temperature=0.7, top_k=6), Sampling(top_p=0.8, min_p=0.02)])
+def test_sampler_draws_each_token_with_its_probability(sampling):
+    """Pearson's chi-square of 40000 seeded draws from a 12-token vocabulary against the
+    probabilities transformers' processors give (11 degrees of freedom: a statistic over 45 has
+    a chance below 1e-5 under the right distribution; a sampler off by a token's worth fails)."""
+    torch.manual_seed(1)
+    vocab, draws = 12, 40_000
+    logits = torch.randn(1, vocab) * 1.5
+    expected = transformers_processed(logits.clone(), torch.zeros(1, 0, dtype=torch.long),
+                                      sampling).softmax(dim=-1)[0]
+    uniform = uniform_noise(draws, logits, torch.Generator().manual_seed(0))
+    tokens = Sampler(sampling)(logits.expand(draws, vocab), None, uniform)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts.sum() == draws and counts.shape == (vocab,)
+    assert (counts[expected == 0] == 0).all()  # a filtered token is never drawn
+    kept = expected > 0
+    wanted = expected[kept].double() * draws
+    chi2 = ((counts[kept] - wanted) ** 2 / wanted).sum().item()
+    assert chi2 < 45, (chi2, counts.tolist(), wanted.tolist())
+
+
+def test_inverse_cdf_at_the_ends_of_the_draws_skips_filtered_tokens():
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 0.0, -inf, 0.0, -inf]] * 3)
+    uniform = torch.tensor([[2.0 ** -24], [0.5], [1.0]])  # the smallest draw, half, the largest
+    assert inverse_cdf(logits, uniform).tolist() == [1, 1, 3]
+
+
+def test_uniform_draws_repeat_with_the_seed_and_lie_in_0_1():
+    like = torch.zeros(2, 7)
+    a = uniform_noise(5000, like, torch.Generator().manual_seed(3))
+    assert a.shape == (5000, 1) and a.dtype == torch.float32
+    assert torch.equal(a, uniform_noise(5000, like, torch.Generator().manual_seed(3)))
+    assert 0 < a.min() and a.max() <= 1 and abs(a.mean().item() - 0.5) < 0.02
 
 
 def test_greedy_with_repetition_penalty_equals_generate():

@@ -112,12 +112,12 @@ def test_sampling_noise_on_the_lazy_device_is_a_cpu_generators_draws():
     """The CPU's lazy backend has no generators: a CPU one's draws, copied over, are what eager
     mode draws from the same seed (so rollouts and resumes repeat)."""
     from hputrain.accelerators.cpu import _start_lazy_backend
-    from hputrain.execution.generation import exponential_noise
+    from hputrain.execution.generation import uniform_noise
 
     _start_lazy_backend()
     like = torch.zeros(3, 5, device="lazy")
-    drawn = exponential_noise(like, torch.Generator().manual_seed(7))
-    eager = exponential_noise(torch.zeros(3, 5), torch.Generator().manual_seed(7))
-    assert drawn.device.type == "lazy"
+    drawn = uniform_noise(3, like, torch.Generator().manual_seed(7))
+    eager = uniform_noise(3, torch.zeros(3, 5), torch.Generator().manual_seed(7))
+    assert drawn.device.type == "lazy" and drawn.shape == (3, 1)
     assert torch.equal(drawn.cpu(), eager)
-    assert torch.equal(eager, torch.empty(3, 5).exponential_(generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(eager, 1 - torch.empty(3, 1).uniform_(generator=torch.Generator().manual_seed(7)))

@@ -6,10 +6,11 @@ forward context) with its output embedding (the lm_head) swapped, for that call 
 that scores: for the positions from `start` on, in chunks of about `chunk` tokens, it projects the
 hidden states, takes the log-softmax in float32 (after dividing by the sampling temperature, as
 TRL's GRPOTrainer does) and keeps each position's label log-probability and, when asked, the
-entropy of the distribution. Each chunk runs under activation checkpointing, so that the backward
-recomputes one chunk's logits at a time: the peak is one chunk's logits, never rows x length x vocab
-(float32, plus autograd's copy) as with the full logits. The head hands back a [rows, length, k]
-tensor as the model's "logits".
+entropy of the distribution. Where there are several chunks, each runs under activation
+checkpointing, so that the backward recomputes one chunk's logits at a time: the peak is one chunk's
+logits, never rows x length x vocab (float32, plus autograd's copy) as with the full logits. A
+single chunk (GRPO's completions, mostly) is not recomputed: its peak is one chunk's either way.
+The head hands back a [rows, length, k] tensor as the model's "logits".
 
 Why swap the head and not call it ourselves after the backbone: the head must run inside the
 model's forward. Under fsdp the weights are gathered only there (and the backward gathers them
@@ -158,10 +159,14 @@ def _chunked(hidden: torch.Tensor, labels: torch.Tensor, project, *, temperature
     rows, length = labels.shape
     columns = max(1, chunk // max(rows, 1))
     parts = [hidden.new_zeros((rows, start, 1 + entropy), dtype=torch.float32)] if start else []
+    # one chunk: what the forward keeps for the backward is what the recomputation would make at
+    # the same moment (the backbone's activations are held either way), so the peak is one
+    # chunk's either way and the recomputed projection would only cost time
+    recompute = torch.is_grad_enabled() and length - start > columns
     for first in range(start, length, columns):
         args = (hidden[:, first:first + columns], labels[:, first:first + columns], project,
                 temperature, entropy)
-        if torch.is_grad_enabled():
+        if recompute:
             # no RNG in a chunk: nothing to save and restore
             parts.append(checkpoint(_scores, *args, preserve_rng_state=False))
         else:
