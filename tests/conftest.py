@@ -48,3 +48,19 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("HPUTRAIN_ACCELERATOR", raising=False)
     monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", os.path.join(os.path.dirname(FAKES), "no-such-defaults.json"))
     yield
+
+
+@pytest.fixture
+def cli_here(capsys, monkeypatch):
+    """`hputrain ARGV` run by `hputrain.cli.main` in this process, on the CPU: (status, stdout,
+    stderr). A command whose own process adds nothing to what a test checks (bad flags, a damaged
+    checkpoint) is seconds faster without the interpreter's start and torch's import."""
+    from hputrain.cli import main
+
+    def run(*argv):
+        monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+        capsys.readouterr()
+        status = main([str(arg) for arg in argv])
+        printed = capsys.readouterr()
+        return status, printed.out, printed.err
+    return run

@@ -143,7 +143,6 @@ def _two_process_losses(tmp_path, strategy: str) -> tuple[list[float], list[floa
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_ddp_losses_equal_with_and_without_checkpointing(tmp_path):
     plain, checkpointed = _two_process_losses(tmp_path, "ddp")
     assert len(plain) == 4

@@ -54,7 +54,7 @@ def single(tmp_path_factory):
     return model, losses(folder)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fast_ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fast_ddp", marks=pytest.mark.slow)])
 def test_cp2_matches_cp1(tmp_path, single, strategy):
     reference, reference_losses = single
     launch(2, str(ROOT / "tests" / "dist_script.py"), str(tmp_path), "4", strategy, "--cp", "2", "--steps", "12")
@@ -64,6 +64,7 @@ def test_cp2_matches_cp1(tmp_path, single, strategy):
         torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # four processes on two cores; make test keeps test_cp2_matches_cp1[ddp]
 def test_dp2_by_cp2_on_four_processes(tmp_path, tmp_path_factory):
     launch(4, str(ROOT / "tests" / "dist_script.py"), str(tmp_path), "2", "ddp", "--cp", "2", "--steps", "6")
     reference = dist_script.main([str(tmp_path_factory.mktemp("ref")), "4", "single", "--steps", "6"])

@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
     return dist_script.main([str(tmp_path_factory.mktemp("single")), "8", "single"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fast_ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fast_ddp", marks=pytest.mark.slow)])
 def test_two_processes_equal_one_with_the_doubled_batch(tmp_path, reference, strategy):
     proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), "4", strategy)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +61,7 @@ def test_two_processes_equal_one_with_the_doubled_batch(tmp_path, reference, str
     assert steps == list(range(1, 21))  # rank 0 alone writes
 
 
+@pytest.mark.slow  # fast_ddp in make test: test_cp2_matches_cp1 and the pairwise table
 def test_fast_ddp_with_bf16_gradients_stays_close(tmp_path, reference):
     proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), "4", "fast_ddp",
                               "--bf16-gradients")
@@ -146,6 +147,22 @@ def test_launch_bad_input(tmp_path):
     assert proc.returncode == 2 and "number or auto" in proc.stderr
 
 
+def test_launch_passes_the_saved_defaults_on(tmp_path, monkeypatch):
+    """What `hputrain config` saved (the CPU, 2 processes) reaches the launch under no flags;
+    a flag typed wins. The launch itself: test_launch_reads_the_saved_defaults (slow)."""
+    from hputrain.cli import launch as launch_command, main
+
+    (tmp_path / "defaults.json").write_text(json.dumps({"accelerator": "cpu", "nproc_per_node": 2}))
+    monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", str(tmp_path / "defaults.json"))
+    calls = []
+    monkeypatch.setattr(launch_command, "launch", lambda *args: calls.append(args) or 0)
+    assert main(["launch", SCRIPT, "x"]) == 0
+    assert main(["launch", "--nproc-per-node", "3", SCRIPT]) == 0
+    (target, nproc, nnodes, *_, cpu), (_, typed, *_) = calls
+    assert (target, nproc, nnodes, cpu, typed) == ([SCRIPT, "x"], 2, 1, True, 3)
+
+
+@pytest.mark.slow  # three interpreters; test_launch_passes_the_saved_defaults_on in make test
 def test_launch_reads_the_saved_defaults(tmp_path):
     (tmp_path / "defaults.json").write_text(json.dumps({"accelerator": "cpu", "nproc_per_node": 2}))
     out = tmp_path / "out"

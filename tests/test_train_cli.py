@@ -46,12 +46,12 @@ def test_train_resume_and_report(tmp_path, corpus):
     assert steps == [2, 4, 6, 8]
 
 
-def test_corrupt_checkpoint_is_one_line_and_keeps_files(tmp_path, corpus):
+def test_corrupt_checkpoint_is_one_line_and_keeps_files(tmp_path, corpus, cli_here):
     out = tmp_path / "run"
-    assert hputrain("train", "--corpus", str(corpus), "--output-dir", str(out), *SMALL)[0] == 0
-    model = out / "checkpoint-6" / "model.safetensors"
+    assert cli_here("train", "--corpus", corpus, "--output-dir", out, *SMALL, "--max-steps", "2")[0] == 0
+    model = out / "checkpoint-2" / "model.safetensors"
     model.write_bytes(model.read_bytes()[:100])
-    rc, _, stderr = hputrain("train", "--corpus", str(corpus), "--output-dir", str(out), *SMALL,
+    rc, _, stderr = cli_here("train", "--corpus", corpus, "--output-dir", out, *SMALL,
                              "--resume-from-checkpoint", "latest")
     assert rc == 2 and stderr.count("\n") == 1 and "model.safetensors" in stderr
     assert "Traceback" not in stderr and model.exists() and (out / "metrics.jsonl").exists()
@@ -65,15 +65,15 @@ def test_corrupt_checkpoint_is_one_line_and_keeps_files(tmp_path, corpus):
     (["--corpus", "/no/such/folder"], ["/no/such/folder"]),
     (["--resume-from-checkpoint", "latest"], ["no checkpoint"]),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, corpus, argv, words):
-    rc, _, stderr = hputrain("train", "--output-dir", str(tmp_path / "o"), "--corpus", str(corpus), *SMALL, *argv)
+def test_bad_input_is_one_line_exit_2(tmp_path, corpus, argv, words, cli_here):
+    rc, _, stderr = cli_here("train", "--output-dir", tmp_path / "o", "--corpus", corpus, *SMALL, *argv)
     assert rc == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert all(w in stderr for w in words), stderr
 
 
-def test_config_files(tmp_path, corpus):
+def test_config_files(tmp_path, corpus, cli_here):
     (tmp_path / "bad.json").write_text('{"max_steps": 3,}')
-    rc, _, stderr = hputrain("train", "--config", str(tmp_path / "bad.json"))
+    rc, _, stderr = cli_here("train", "--config", tmp_path / "bad.json")
     assert rc == 2 and "not valid json" in stderr
     (tmp_path / "run.toml").write_text(f'max_steps = 2\nseq_len = 32\ncorpus = "{corpus}"\n'
                                        f'output_dir = "{tmp_path / "toml"}"\nlogging_steps = 1\n')
