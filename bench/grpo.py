@@ -59,7 +59,8 @@ RUNS = {"hputrain": {"graphs": False, "buckets": None},
         "hputrain-graphs-b32": {"graphs": True, "buckets": (32,)},
         "trl": None}
 """hputrain's variants (the captured decode step; prompt buckets of 32, or 16 and 32, instead
-of the default 64, 128, 256, 512: the prompts here have 10 to 24 tokens) and TRL's one run."""
+of the default 16, 32, 64, ... 512, which these prompts of 10 to 24 tokens meet at 16 and 32 too)
+and TRL's one run."""
 
 GROUP = 8
 """num_generations and per_device_train_batch_size."""

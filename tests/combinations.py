@@ -60,8 +60,8 @@ def allowed(case: dict) -> bool:
         return False  # a reference is a choice for DPO and GRPO only
     if dpo and case["reference"] == NA:
         return False  # DPO always has one; GRPO has none at beta 0 (n/a), else one (beta 0.04)
-    if grpo and (case["reference"] == "ref_precomputed" or case["validation"] == "val"):
-        return False  # GRPO's reference runs on each rollout; it evaluates nothing yet
+    if grpo and case["reference"] == "ref_precomputed":
+        return False  # GRPO's reference runs on each rollout (and each evaluation batch)
     if (case["adapters"], case["processes"], case["reference"]) == ("lora", "fsdp2", "ref_precomputed"):
         return False  # refused (REFUSED): FSDP2 after the adapter-disabled passes
     if case["reference"] == "ref_adapters" and case["adapters"] != "lora":

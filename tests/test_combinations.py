@@ -471,8 +471,9 @@ def test_refused_and_meaningless_pairs_are_left_out():
         assert not any(pair <= case for case in levels)
     assert not any(case["reference"] != combos.NA for case in allowed
                    if case["method"] not in ("dpo", "grpo"))
-    assert not any(case["reference"] == "ref_precomputed" or case["validation"] == "val"
-                   for case in allowed if case["method"] == "grpo")
+    assert not any(case["reference"] == "ref_precomputed" for case in allowed
+                   if case["method"] == "grpo")
+    assert any(case["validation"] == "val" for case in allowed if case["method"] == "grpo")
     assert not any(case["reference"] == "ref_adapters" for case in allowed if case["adapters"] == "full")
     assert not any(case["packing"] != combos.NA for case in allowed
                    if case["method"] in ("text", "dpo", "grpo"))

@@ -128,7 +128,7 @@ def test_rollouts_have_one_shape_and_groups_share_a_prompt(folder, tmp_path):
                           processing_class=tokenizer)
     batches = trainer.train_batches().iterate(0)
     shapes = {tuple(next(batches)["input_ids"].shape) for _ in range(4)}
-    assert shapes == {(8, 64 + 16)}  # the smallest prompt bucket + max_completion_length
+    assert shapes == {(8, 16 + 16)}  # the smallest prompt bucket + max_completion_length
     for prompts, answers in seen:
         assert len(prompts) == 8
         for group in range(2):  # num_generations completions of one prompt, side by side

@@ -101,7 +101,7 @@ def test_values_and_flags_given():
     assert grpo_flags_given(config) == ["num_generations", "top_k", "prompt_buckets"]
     assert grpo_values(config)["prompt_buckets"] == (64, 256)
     assert set(grpo_values(config)) == {f.name for f in dataclasses.fields(GRPOOptions)}
-    assert grpo_flags_given(GRPOConfig(prompt_buckets=(64, 128, 256, 512))) == []
+    assert grpo_flags_given(GRPOConfig(prompt_buckets=(16, 32, 64, 128, 256, 512))) == []
     assert reward_flags_given(RewardConfig(disable_dropout=False)) == ["disable_dropout"]
 
 
@@ -246,7 +246,6 @@ def test_every_trl_name_is_taken_or_refused_in_one_line(trl, ours_cls, theirs_na
     ("top_entropy_quantile", "is not computed here"), ("entropy_coef", "is not computed here"),
     ("sapo_temperature_neg", "is not computed here"),
     ("generation_kwargs", "temperature, top_p, top_k, min_p and repetition_penalty"),
-    ("num_generations_eval", "num_generations"),
     ("log_completions", "completions.jsonl"), ("num_completions_to_print", "completions.jsonl"),
     ("max_prompt_length", "is prompt_buckets here"),
     ("fp16", "use bf16=True"),

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hputrain.errors import InputError
-from hputrain.training.grpo_loss import (METRIC_SLOTS, group_advantages, grpo_loss, metric_means,
-                                         nanstd, reward_metrics)
+from hputrain.training.grpo_loss import (EXTREMES, METRIC_SLOTS, clip_extremes, group_advantages,
+                                         grpo_loss, metric_means, nanstd, reward_metrics)
 
 trl = pytest.importorskip("trl", reason="TRL is the reference")
 from trl import GRPOTrainer  # noqa: E402
@@ -137,6 +137,10 @@ def test_loss_gradient_and_metrics_equal_trl(loss_type, kl, level, old_given, cl
     assert set(means) == set(expected)
     for name, value in expected.items():
         assert means[name] == pytest.approx(value, abs=1e-6), name
+    # min and max over the completions (one rank standing for all, as TRL's gather here)
+    extremes = clip_extremes([[result.extremes.tolist()]])
+    for name in EXTREMES:
+        assert extremes[name] == pytest.approx(their_metrics[name], abs=1e-6), name
 
 
 def test_the_batches_clip_on_both_sides():
@@ -159,6 +163,35 @@ def test_sums_add_over_micro_batches_to_the_global_masked_mean():
     sums = ours(first, first["logps"], **settings).sums + ours(second, second["logps"], **settings).sums
     for name, value in metric_means(sums).items():
         assert value == pytest.approx(their_metrics[name], abs=1e-6), name
+
+
+def test_clip_extremes_are_over_every_rank_then_averaged_over_micro_batches():
+    """TRL's clip_ratio/low_min and high_max: per micro-batch the minimum (maximum) over the
+    completions gathered from every process, then the logging average over micro-batches (NaN
+    left out). Here two micro-batches, each split over two ranks; TRL's `_compute_loss` on each
+    whole micro-batch is what its gather over the two ranks sees. In the first micro-batch rank
+    1's completions are all empty (NaN on that rank, left out of the minimum)."""
+    settings = dict(loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28, delta=None,
+                    level="token", bias_kl=True, old_given=True, num_items=40, num_processes=2,
+                    accumulation=1, steps_per_generation=1)
+    micro = [batch(seed=5, lengths=[7, 4, 2, 0, 0, 0]), batch(seed=6, lengths=[3, 7, 1, 5, 6, 2])]
+    theirs = {name: [] for name in EXTREMES}
+    per_rank = [[], []]
+    for data in micro:
+        _, metrics = trl_loss(data, data["logps"], **settings)
+        for name in EXTREMES:
+            theirs[name].append(metrics[name])
+        for rank, rows in enumerate((slice(0, 3), slice(3, 6))):
+            part = {key: value[rows] for key, value in data.items()}
+            per_rank[rank].append(ours(part, part["logps"], **settings).extremes.tolist())
+    assert all(v != v for v in per_rank[1][0])  # NaN: no completion with a token
+    got = clip_extremes(per_rank)
+    for name in EXTREMES:  # TRL's logging average: the mean of the values that are not NaN
+        valid = [v for v in theirs[name] if v == v]
+        assert got[name] == pytest.approx(sum(valid) / len(valid), abs=1e-6), name
+    assert got["clip_ratio/low_min"] < got["clip_ratio/high_max"]  # the data clips unevenly
+    assert max(theirs["clip_ratio/high_max"]) > 0
+    assert clip_extremes([[[float("nan")] * 2], []]) == dict.fromkeys(EXTREMES)  # TRL's None
 
 
 @pytest.mark.parametrize("change, words", [

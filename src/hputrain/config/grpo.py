@@ -41,7 +41,7 @@ AGGREGATIONS = ("sum_then_normalize",)
 OTHER_AGGREGATIONS = {"normalize_then_sum": "is not computed here: the weighted rewards are "
                                             "summed, then scaled (sum_then_normalize)"}
 
-PROMPT_BUCKETS = (64, 128, 256, 512)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
 """The prompt lengths (tokens) a prompt is left-padded to, the nearest that holds it."""
 
 GRPO_DEFAULTS = {"learning_rate": 1e-6, "remove_unused_columns": False}
@@ -62,6 +62,9 @@ class GRPOOptions:
     num_generations: int = 8
     """Completions sampled per prompt, the group whose rewards make each one's advantage
     (at least 2). The generation batch must hold whole groups."""
+    num_generations_eval: int | None = None
+    """Completions sampled per validation prompt when evaluating (fewer saves time); unset
+    means num_generations."""
     max_completion_length: int = 512
     """Tokens generated per completion: every completion is decoded to this length (a static KV
     cache, one graph for the decode step), then cut after its end of sequence."""
@@ -131,6 +134,8 @@ def check_grpo(options) -> None:
     and values read as text (flags) are put in their current form."""
     check(options.num_generations >= 2, "num_generations must be at least 2 (an advantage compares "
           f"completions of the same prompt), got {options.num_generations}")
+    check(options.num_generations_eval is None or options.num_generations_eval >= 1,
+          f"num_generations_eval must be at least 1, got {options.num_generations_eval}")
     check(isinstance(options.max_completion_length, int) and options.max_completion_length >= 1,
           "max_completion_length must be a whole number of at least 1 (completions have a fixed "
           f"length here), got {options.max_completion_length!r}")

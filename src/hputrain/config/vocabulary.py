@@ -137,7 +137,6 @@ GRPO_CONFIG = {
                          "repetition_penalty",
     "chat_template_kwargs": f"{_YET}: conversational prompts go through the tokenizer's chat "
                             "template with its defaults",
-    "num_generations_eval": f"{_YET}: evaluation samples num_generations completions per prompt",
     "max_prompt_length": "is prompt_buckets here: a prompt is padded to the nearest bucket, the "
                          "largest bounds its length",
     "model_init_kwargs": _TRL_MODEL, "trust_remote_code": _TRL_MODEL,

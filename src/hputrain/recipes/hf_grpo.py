@@ -2,6 +2,10 @@
 fine-tuning (GRPO, training/grpo.py) of a local Hugging Face model on rows with a `prompt` (text,
 or TRL's conversational form), every other column going to the reward functions.
 
+Validation, as for SFT and DPO: the data set's own "validation" split, else the last
+--validation-split-percentage of the prompts; each is evaluated as TRL's GRPOTrainer evaluates
+(completions sampled and rewarded, eval_reward, eval_loss and the other metrics with "eval_").
+
 The reference (only with --beta > 0): the adapter-disabled base under --lora-r, --ref-model DIR,
 else a frozen copy of the starting weights. The output is what `hputrain train` writes for SFT
 and DPO: final/ with the tokenizer, or the PEFT adapter; completions.jsonl holds what was
@@ -27,16 +31,15 @@ def run_grpo(options, training_args, accelerator_config, folder: Path, model, to
     use_chat_template(tokenizer, options.chat_template)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # prompts are left-padded
-    rows = [row for _, row in hf_data.records(options.dataset, hf_data.TRAIN_SPLIT)]
-    if not rows:
-        raise InputError(f"--dataset {options.dataset} holds no prompt")
+    rows, validation = load_prompts(options)
     values = {k: v for k, v in dataclasses.asdict(training_args).items()}
     config = GRPOConfig(**values, **grpo_values(options))
     trainer = GRPOTrainer(model, config, reward_funcs=options.reward_funcs, train_dataset=rows,
-                          processing_class=tokenizer, ref_model=ref_model,
+                          eval_dataset=validation, processing_class=tokenizer, ref_model=ref_model,
                           accelerator_config=accelerator_config)
     if trainer.group.is_main:
-        print(_header(options, model, trainer, len(rows), ref_folder))
+        print(_header(options, model, trainer, len(rows), ref_folder)
+              + _validation_line(options, validation))
     output = trainer.train()
     final = save_final(trainer, output)
     if not trainer.group.is_main:
@@ -46,6 +49,37 @@ def run_grpo(options, training_args, accelerator_config, folder: Path, model, to
     if status is None and final is not None:
         print(f"completions and their rewards: {Path(training_args.output_dir) / 'completions.jsonl'}")
     return status or 0
+
+
+def load_prompts(options) -> tuple[list[dict], list[dict] | None]:
+    """(training rows, validation rows or None): the data set's own "validation" split, else
+    the last --validation-split-percentage of the rows (at least one), as DPO holds pairs out."""
+    path, percentage = options.dataset, options.validation_split_percentage
+    rows = [row for _, row in hf_data.records(path, hf_data.TRAIN_SPLIT)]
+    if not rows:
+        raise InputError(f"--dataset {path} holds no prompt")
+    if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
+        held = [row for _, row in hf_data.records(path, hf_data.VALIDATION_SPLIT)]
+    elif percentage > 0:
+        count = max(1, int(len(rows) * percentage / 100))
+        if count >= len(rows):
+            raise InputError(f"--dataset {path} has {len(rows)} prompt(s), too few to hold "
+                             f"{percentage:g}% out for validation: give more rows, or "
+                             "--validation-split-percentage 0")
+        rows, held = rows[:-count], rows[-count:]
+    else:
+        held = None
+    return rows, held or None
+
+
+def _validation_line(options, validation) -> str:
+    if validation is None:
+        return "hputrain: validation: none (--validation-split-percentage 0)\n"
+    own = hf_data.VALIDATION_SPLIT in hf_data.saved_splits(options.dataset)
+    where = ("the data set's own validation split" if own else
+             f"the last {options.validation_split_percentage:g}% held out "
+             "(--validation-split-percentage)")
+    return f"hputrain: validation: {where}, {len(validation)} prompt(s)\n"
 
 
 def _header(options, model, trainer, rows: int, ref_folder) -> str:

@@ -17,15 +17,19 @@ gives exactly TRL's scaling for every loss type (dapo's token normaliser include
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..config.grpo import GRPOConfig, generation_layout
 from ..errors import InputError
 from ..execution.generation import Sampling, StaticGenerator, completion_mask
-from .grpo_loss import METRIC_SLOTS, group_advantages, grpo_loss, metric_means, reward_metrics
+from .grpo_eval import EvalPlan, EvalRollouts, first_batch
+from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
+                        reward_metrics)
 from .logps import token_logps
 from .objective import Objective
 from .rewards import CompletionsLog, RewardFunctions, completion_for, conversational
@@ -57,16 +61,32 @@ def encode_prompts(rows: list[dict], tokenizer, longest: int) -> tuple[list[int]
     return kept, ids
 
 
+@dataclass
+class Scored:
+    """One rollout on this rank after its rewards: its batch on the device, and for the metrics
+    what every rank gathered (each rank's rewards, lengths, truncation flags, active tokens,
+    prompts and completions), the rewards, the advantages and the active tokens over ranks."""
+
+    batch: dict
+    everyone: list
+    rewards: torch.Tensor
+    advantages: object
+    tokens: int
+    lengths_mine: list[int]
+
+
 class RolloutCount:
-    """What a GRPO step's loss is weighed by: each micro-batch counts one (see the module
-    docstring); throughput's samples are completions and its tokens the prompt and completion
-    tokens (counted on the host during the rollout: no device read)."""
+    """What a GRPO step's loss is weighed by: a micro-batch counts its completions, which in
+    training are the same in every micro-batch, so each weighs alike (see the module docstring),
+    and which weigh an evaluation batch in eval_loss as TRL weighs it; throughput's samples are
+    completions and its tokens the prompt and completion tokens (counted on the host during the
+    rollout: no device read)."""
 
     takes_item_count = False
     shifts_labels = False
 
     def __call__(self, batch) -> int:
-        return 1
+        return int(batch["advantages"].shape[0])
 
     def samples(self, batch) -> int:
         return int(batch["advantages"].shape[0])
@@ -75,10 +95,27 @@ class RolloutCount:
         return sum(batch["seen_tokens"] for batch in batches)
 
 
+class StepRollouts(Rollouts):
+    """Rollouts that tell the objective which optimizer step the latest micro-batch is for: the
+    step an evaluation's reward functions are told (their trainer_state), as TRL tells them."""
+
+    def __init__(self, prompts, layout, seed, make, device, objective) -> None:
+        super().__init__(prompts, layout, seed, make, device)
+        self.objective = objective
+
+    def iterate(self, start_step: int = 0, epochs: int | None = None):
+        for micro, batch in enumerate(super().iterate(start_step, epochs),
+                                      start=start_step * self.accumulate):
+            self.objective.step = micro // self.accumulate + 1
+            yield batch
+
+
 class GRPOObjective(Objective):
     """GRPO's rollout, loss and metrics (see the module docstring)."""
 
     has_perplexity = False
+    evaluation = False
+    """True inside evaluating(): a batch is then its own generation batch."""
 
     def __init__(self, config: GRPOConfig, reward_funcs, rows: list[dict], tokenizer, *,
                  reference=None, adapters=None, complete=None) -> None:
@@ -99,7 +136,11 @@ class GRPOObjective(Objective):
             raise InputError(f"no prompt is left to train on: every one is empty or longer than the "
                              f"largest prompt bucket ({max(buckets)} tokens)")
         self.sums: torch.Tensor | None = None
+        self.extremes: list[torch.Tensor] = []  # each micro-batch's (grpo_loss.EXTREMES)
         self.rollout_metrics: list[dict] = []
+        self.step = 0  # the optimizer step the latest micro-batch belongs to (reward functions')
+        self._eval_prompts = None  # (data set, its rows, kept indices, prompt ids): encoded once
+        self.collate = first_batch  # evaluation's batches come whole (grpo_eval.py)
         self.generation_seconds, self.since = 0.0, time.perf_counter()
 
     def bind(self, loop) -> None:
@@ -133,57 +174,67 @@ class GRPOObjective(Objective):
         return RolloutCount()
 
     def train_batches(self, batches):
-        return Rollouts(len(self.kept), self.layout, self.config.seed, self.rollout, self.loop.device)
+        return StepRollouts(len(self.kept), self.layout, self.config.seed, self.rollout,
+                            self.loop.device, self)
 
     # -- a rollout --------------------------------------------------------------------------------
     def rollout(self, generation: int, rows: list[int]) -> list[dict]:
         """This rank's micro-batches of generation batch `generation`, whose rows (indices into
         the kept prompts, each num_generations times) are `rows`."""
+        layout = self.layout
+        step = generation * layout.micro_per_generation // layout.accumulate + 1
+        scored = self._score(generation, rows, self.prompt_ids, self.rows, self.kept,
+                             self.config.num_generations, step)
+        batch = scored.batch
+        self._old_and_reference(batch)
+        self._note(generation, step, scored)
+        seen = sum(len(self.prompt_ids[r]) for r in rows) + sum(scored.lengths_mine)  # this rank's
+        return self._split(batch, generation, self.loop.device_scalar(float(scored.tokens)), seen)
+
+    def _score(self, generation: int, rows: list[int], prompt_ids, source: list[dict], kept,
+               num_generations: int, step: int) -> Scored:
+        """Completions of `rows` (indices into `prompt_ids`, each repeated, this rank's share of
+        a batch whose other shares the other ranks hold), their rewards gathered from every rank
+        and normalised in groups of `num_generations`: this rank's batch on the device (ids, masks,
+        advantages) and what the metrics need. Training's rollouts and evaluation's share it."""
         loop, cfg, layout = self.loop, self.config, self.layout
-        start = time.perf_counter()
-        prompt_ids, prompt_mask, completion_ids, mask = self._complete(generation, rows)
+        prompt_ids, prompt_mask, completion_ids, mask = self._complete(generation, rows, prompt_ids)
         # the rollout's one host read: the tokens and where each completion ends
         ids, ended = torch.stack([completion_ids, mask.to(completion_ids.dtype)]).cpu().unbind(0)
         ended = ended.bool()
-        kept = [row[m].tolist() for row, m in zip(ids, ended)]
-        truncated = [not any(t == self.tokenizer.eos_token_id for t in k) for k in kept]
-        data = [self.rows[self.kept[r]] for r in rows]
+        tokens_kept = [row[m].tolist() for row, m in zip(ids, ended)]
+        truncated = [not any(t == self.tokenizer.eos_token_id for t in k) for k in tokens_kept]
+        data = [source[kept[r]] for r in rows]
         prompts = [row["prompt"] for row in data]
-        texts = self.tokenizer.batch_decode(kept, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(tokens_kept, skip_special_tokens=True)
         completions = [completion_for(p, t) for p, t in zip(prompts, texts)]
-        step = generation * layout.micro_per_generation // layout.accumulate + 1
         columns = {k: [row.get(k) for row in data] for k in data[0] if k != "prompt"}
-        rewards = self.reward_funcs(prompts, completions, kept, columns, step)
+        rewards = self.reward_funcs(prompts, completions, tokens_kept, columns, step)
         if cfg.mask_truncated_completions:
             mask = mask * torch.tensor([not t for t in truncated], device=mask.device)[:, None]
         # the tokens the loss counts (a truncated completion's none, when they are masked)
         active = [0 if cfg.mask_truncated_completions and t else len(k)
-                  for k, t in zip(kept, truncated)]
+                  for k, t in zip(tokens_kept, truncated)]
         everyone = loop.group.gather_objects(
-            (rewards.tolist(), [len(k) for k in kept], truncated, active, prompts, completions))
+            (rewards.tolist(), [len(k) for k in tokens_kept], truncated, active, prompts, completions))
         all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
         all_rewards = all_rewards.view(-1, len(self.reward_funcs.names))
-        advantages = group_advantages(all_rewards, self.reward_funcs.weights, cfg.num_generations,
+        advantages = group_advantages(all_rewards, self.reward_funcs.weights, num_generations,
                                       cfg.scale_rewards)
-        n = len(rows)
-        mine = advantages.advantages[layout.rank * n:(layout.rank + 1) * n]
-        lengths = [length for part in everyone for length in part[1]]
-        flags = [flag for part in everyone for flag in part[2]]
-        tokens = sum(a for part in everyone for a in part[3])
+        offset = sum(len(part[1]) for part in everyone[:layout.rank])  # ranks' shares, in order
+        mine = advantages.advantages[offset:offset + len(rows)]
         batch = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
                  "attention_mask": torch.cat([prompt_mask, mask], dim=1),
                  "completion_mask": mask, "advantages": mine.to(loop.device)}
-        self._old_and_reference(batch)
-        self._note(generation, step, all_rewards, advantages, lengths, flags, everyone,
-                   time.perf_counter() - start)
-        seen = sum(len(self.prompt_ids[r]) for r in rows) + sum(len(k) for k in kept)  # this rank's
-        return self._split(batch, generation, loop.device_scalar(float(tokens)), seen)
+        return Scored(batch, everyone, all_rewards, advantages,
+                      sum(a for part in everyone for a in part[3]), [len(k) for k in tokens_kept])
 
-    def _complete(self, generation: int, rows: list[int]):
+    def _complete(self, generation: int, rows: list[int], prompt_ids: list[list[int]]):
         """(prompt ids, prompt mask, completion ids, completion mask) on the device: generated,
-        or a test's fixed completions (`complete`) laid out the same way."""
+        or a test's fixed completions (`complete`) laid out the same way. Evaluation's batch k
+        is generation -1 - k: its own sampling seed, and what the `complete` hook is told."""
         loop = self.loop
-        prompts = [self.prompt_ids[r] for r in rows]
+        prompts = [prompt_ids[r] for r in rows]
         if self.complete is not None:
             prompt_ids, prompt_mask = self.generator.prepare(prompts)
             fixed = self.complete(generation, prompts)
@@ -198,7 +249,7 @@ class GRPOObjective(Objective):
         try:
             random = torch.Generator(device=loop.device).manual_seed(seed)
         except RuntimeError:  # a device without generators of its own (the CPU's lazy backend):
-            # a CPU one, whose draws the generator copies over (generation.exponential_noise), so
+            # a CPU one, whose draws the generator copies over (generation.uniform_noise), so
             # that rollouts are eager mode's and a resumed run draws what an uninterrupted one did
             random = torch.Generator().manual_seed(seed)
         with loop.forward_context():
@@ -210,10 +261,16 @@ class GRPOObjective(Objective):
         """The old policy's log-probs when a generation batch is trained on after an update
         (num_iterations > 1, or more micro-batches per generation than per step), and the
         reference's when beta != 0: computed now, without gradients, a micro-batch at a time."""
-        cfg, layout, loop = self.config, self.layout, self.loop
+        layout, loop = self.layout, self.loop
         old = layout.accumulate % layout.micro_per_generation != 0
         if old:
             batch["old_logps"] = self._no_grad_logps(loop.module, batch)
+        self._reference(batch)
+
+    def _reference(self, batch: dict) -> None:
+        """The reference's log-probs of `batch` when beta != 0 (the training rollout's and the
+        evaluation's)."""
+        cfg, loop = self.config, self.loop
         if cfg.beta != 0.0:
             if self.reference is not None:
                 batch["ref_logps"] = self._no_grad_logps(self.reference, batch)
@@ -246,30 +303,34 @@ class GRPOObjective(Objective):
             out.append(micro)
         return out
 
-    def _note(self, generation, step, rewards, advantages, lengths, truncated, everyone, seconds):
+    def _note(self, generation: int, step: int, scored: Scored) -> None:
         """The rollout's metrics (TRL's names) for the next logging record, and its completions in
         completions.jsonl when it serves a logged step."""
-        lengths_t = torch.tensor(lengths, dtype=torch.float32)
-        ended = torch.tensor([not t for t in truncated])
-        terminated = lengths_t[ended] if ended.any() else torch.zeros(1)
-        metrics = {"completions/mean_length": lengths_t.mean().item(),
-                   "completions/min_length": lengths_t.min().item(),
-                   "completions/max_length": lengths_t.max().item(),
-                   "completions/clipped_ratio": 1.0 - ended.float().mean().item(),
-                   "completions/mean_terminated_length": terminated.mean().item(),
-                   "completions/min_terminated_length": terminated.min().item(),
-                   "completions/max_terminated_length": terminated.max().item(),
-                   **reward_metrics(rewards, self.reward_funcs.weights, self.reward_funcs.names,
-                                    advantages.std_is_zero)}
-        self.rollout_metrics.append(metrics)
+        self.rollout_metrics.append(self._rollout_metrics(scored))
         every = self.config.logging_steps
         last = (generation + 1) * self.layout.micro_per_generation // self.layout.accumulate
         if self.log is not None and ((step - 1) // every != last // every or step == 1):
+            everyone = scored.everyone
             prompts = [p for part in everyone for p in part[4]]
             completions = [c for part in everyone for c in part[5]]
             self.log.write(step, prompts, completions, [a for part in everyone for a in part[3]],
-                           rewards, self.reward_funcs.names, self.reward_funcs.weights,
-                           advantages.advantages)
+                           scored.rewards, self.reward_funcs.names, self.reward_funcs.weights,
+                           scored.advantages.advantages)
+
+    def _rollout_metrics(self, scored: Scored) -> dict:
+        """TRL's completion-length and reward metrics of one rollout (every rank's completions)."""
+        lengths = torch.tensor([n for part in scored.everyone for n in part[1]], dtype=torch.float32)
+        ended = torch.tensor([not t for part in scored.everyone for t in part[2]])
+        terminated = lengths[ended] if ended.any() else torch.zeros(1)
+        return {"completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": 1.0 - ended.float().mean().item(),
+                "completions/mean_terminated_length": terminated.mean().item(),
+                "completions/min_terminated_length": terminated.min().item(),
+                "completions/max_terminated_length": terminated.max().item(),
+                **reward_metrics(scored.rewards, self.reward_funcs.weights, self.reward_funcs.names,
+                                 scored.advantages.std_is_zero)}
 
     # -- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, module, batch) -> torch.Tensor:
@@ -281,10 +342,14 @@ class GRPOObjective(Objective):
                         importance_sampling_level=cfg.importance_sampling_level,
                         use_bias_correction_kl=cfg.use_bias_correction_kl,
                         num_items_in_batch=batch["num_items"], num_processes=layout.ranks,
-                        gradient_accumulation_steps=1, steps_per_generation=layout.steps_per_generation,
+                        gradient_accumulation_steps=1,
+                        # an evaluation batch is its own generation batch, as in TRL
+                        steps_per_generation=1 if self.evaluation else layout.steps_per_generation,
                         max_completion_length=cfg.max_completion_length, entropies=entropy)
-        sums = out.sums.detach()
-        self.sums = sums if self.sums is None else self.sums + sums
+        if self.counting:  # not a batch a rank repeats only to keep in step
+            sums = out.sums.detach()
+            self.sums = sums if self.sums is None else self.sums + sums
+            self.extremes.append(out.extremes)
         return out.loss
 
     def _logps(self, module, batch: dict, entropy: bool = False):
@@ -303,23 +368,75 @@ class GRPOObjective(Objective):
     # -- what users read ----------------------------------------------------------------------------
     def metrics(self, group, prefix: str = "") -> dict:
         """The loss metrics' means over every rank's tokens since the last record (one device
-        read), the rollouts' metrics averaged, and the share of the time spent generating."""
-        sums = self.sums
-        self.sums = None
+        read), TRL's clip_ratio/low_min and high_max (grpo_loss.clip_extremes), the rollouts'
+        metrics averaged, and (training) the share of the time spent generating."""
+        sums, extremes = self.sums, self.extremes
+        self.sums, self.extremes = None, []
         if sums is None:
             sums = torch.zeros(len(METRIC_SLOTS), device=self.loop.device)
         means = metric_means(group.all_reduce_sum(sums.float()))
         for name in list(means):
             if name == "kl" and self.config.beta == 0.0:
                 means.pop(name)
+        local = torch.stack(extremes).float().tolist() if extremes else []
+        means.update(clip_extremes(group.gather_objects(local)))
         rollouts, self.rollout_metrics = self.rollout_metrics, []
         if rollouts:
             for name in rollouts[0]:
                 means[name] = sum(r[name] for r in rollouts) / len(rollouts)
-        now = time.perf_counter()
-        means["generation_share"] = self.generation_seconds / max(now - self.since, 1e-9)
-        self.generation_seconds, self.since = 0.0, now
+        if not self.evaluation:
+            now = time.perf_counter()
+            means["generation_share"] = self.generation_seconds / max(now - self.since, 1e-9)
+            self.generation_seconds, self.since = 0.0, now
         return {f"{prefix}{k}": v for k, v in means.items()}
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Around an evaluation: training's sums, extremes and rollout metrics since the last
+        record kept aside, and the evaluation's time left out of training's generation share."""
+        kept = self.sums, self.extremes, self.rollout_metrics, self.generation_seconds
+        self.sums, self.extremes, self.rollout_metrics = None, [], []
+        self.evaluation, start = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sums, self.extremes, self.rollout_metrics, self.generation_seconds = kept
+            self.evaluation = False
+            self.since += time.perf_counter() - start
+
+    def eval_dataset(self, dataset) -> EvalRollouts:
+        """The validation prompts as evaluate() reads them (grpo_eval.py): one batch per rank
+        per evaluation batch, generated and rewarded when evaluate() comes to it."""
+        if self._eval_prompts is None or self._eval_prompts[0] is not dataset:
+            rows = [dict(row) for row in dataset]
+            kept, ids = encode_prompts(rows, self.tokenizer, max(self.config.prompt_buckets))
+            if not kept:
+                raise InputError("no evaluation prompt is left: every one is empty or longer than "
+                                 f"the largest prompt bucket ({max(self.config.prompt_buckets)} tokens)")
+            self._eval_prompts = (dataset, rows, kept, ids)
+        _, rows, kept, ids = self._eval_prompts
+        plan = self.eval_plan(len(kept))
+        return EvalRollouts(plan, self.layout.rank,
+                            lambda k, mine: self.eval_rollout(k, mine, rows, kept, ids, plan))
+
+    def eval_plan(self, prompts: int) -> EvalPlan:
+        """The evaluation batches of `prompts` validation prompts (one line if the sizes do not
+        make whole groups)."""
+        cfg = self.config
+        return EvalPlan(prompts, cfg.per_device_eval_batch_size, self.layout.ranks,
+                        cfg.num_generations_eval or cfg.num_generations, cfg.seed)
+
+    def eval_rollout(self, index: int, mine: list[int], rows, kept, ids, plan: EvalPlan) -> dict:
+        """This rank's batch of evaluation batch `index` (its rows `mine`, indices into `kept`):
+        completions sampled as in training, rewarded, the rewards gathered from every rank and
+        normalised in groups of num_generations_eval; the reference's log-probs when beta > 0."""
+        scored = self._score(-1 - index, mine, ids, rows, kept, plan.num_generations, self.step)
+        batch = scored.batch
+        self._reference(batch)
+        self.rollout_metrics.append(self._rollout_metrics(scored))
+        batch["num_items"] = self.loop.device_scalar(float(scored.tokens))
+        return batch
 
 
 class GRPOTrainer(Trainer):
@@ -341,9 +458,6 @@ class GRPOTrainer(Trainer):
             raise InputError("GRPOTrainer needs processing_class (the tokenizer)")
         if train_dataset is None:
             raise InputError("train() needs a train_dataset of prompts")
-        if eval_dataset is not None:
-            raise InputError("evaluation of GRPO on a validation set is not there yet: leave "
-                             "eval_dataset out")
         complete = kwargs.pop("complete", None)
         adapters = None
         if args.beta != 0.0 and ref_model is None:
@@ -358,5 +472,7 @@ class GRPOTrainer(Trainer):
         rows = [dict(row) for row in train_dataset]
         objective = GRPOObjective(args, reward_funcs, rows, processing_class,
                                   reference=ref_model, adapters=adapters, complete=complete)
-        super().__init__(model, args, train_dataset=rows, processing_class=processing_class,
-                         objective=objective, **kwargs)
+        super().__init__(model, args, train_dataset=rows, eval_dataset=eval_dataset,
+                         processing_class=processing_class, objective=objective, **kwargs)
+        if eval_dataset is not None:  # the batch sizes, checked before training starts
+            objective.eval_plan(1)

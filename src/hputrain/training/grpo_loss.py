@@ -10,7 +10,10 @@ Two halves, one per side of a rollout:
   with TRL's k3 KL penalty when beta != 0, scaled for gradient accumulation as TRL scales it.
   Its metrics stay on the device as sums and counts (`METRIC_SLOTS`), because the training step
   must not wait for the host: the loop adds them over micro-batches, all-reduces them over ranks
-  at a logging step and calls `metric_means` — TRL's global masked mean of each metric.
+  at a logging step and calls `metric_means` — TRL's global masked mean of each metric. TRL's
+  clip_ratio/low_min and high_max are a minimum and a maximum over each micro-batch's
+  completions on every rank, not sums: each micro-batch keeps its own (`GRPOLoss.extremes`),
+  and `clip_extremes` combines them over ranks and averages them over micro-batches.
 
 Only torch and the error type are imported: the loop, the rollout and the tests share this file.
 """
@@ -38,11 +41,18 @@ not compute (kl when beta == 0, entropy when no entropies were given) has NaN in
 survives addition and all-reduce, so `metric_means` can leave it out."""
 
 
+EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
+"""TRL's names of `GRPOLoss.extremes`: the smallest share of low-clipped tokens of a completion,
+the largest share of high-clipped ones."""
+
+
 @dataclasses.dataclass
 class GRPOLoss:
-    """One micro-batch's loss and its metric sums (a float32 tensor on the loss's device)."""
+    """One micro-batch's loss, its metric sums (a float32 tensor on the loss's device) and its
+    EXTREMES over this rank's completions ([2] float32, NaN where no completion has a token)."""
     loss: torch.Tensor
     sums: torch.Tensor
+    extremes: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -102,7 +112,8 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
     loss = _reduce(per_token_loss, mask, loss_type, num_items_in_batch, num_processes,
                    gradient_accumulation_steps, steps_per_generation, max_completion_length)
     sums = _metric_sums(mask, kl, entropies, ratio, advantages, epsilon, epsilon_high)
-    return GRPOLoss(loss=loss, sums=sums)
+    return GRPOLoss(loss=loss, sums=sums,
+                    extremes=_extremes(mask, ratio, advantages, epsilon, epsilon_high))
 
 
 def _check(loss_type, importance_sampling_level, beta, ref_per_token_logps, num_items_in_batch):
@@ -156,6 +167,45 @@ def _metric_sums(mask, kl, entropies, ratio, advantages, epsilon, epsilon_high) 
     parts = [masked(kl), masked(entropies), masked(low.float()), masked(high.float()),
              masked((low | high).float())]
     return torch.stack([value for part in parts for value in part])
+
+
+def _extremes(mask, ratio, advantages, epsilon, epsilon_high) -> torch.Tensor:
+    """[smallest low-clipped share, largest high-clipped share] over this micro-batch's
+    completions: each completion's share of its tokens (its one value at sequence level); a
+    completion without tokens (0/0, NaN) is left out, as TRL's nanmin and nanmax leave it; NaN
+    when every one is. On the device, no host read."""
+    ratio = ratio.detach()
+    low = ((ratio < 1 - epsilon) & (advantages < 0)).float()
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+    if low.shape[-1] == 1:
+        shares = torch.stack([low[:, 0], high[:, 0]])
+    else:
+        mask = mask.float()
+        shares = torch.stack([(low * mask).sum(-1), (high * mask).sum(-1)]) / mask.sum(-1)
+    inf = torch.full_like(shares, float("inf"))
+    smallest = torch.where(shares.isnan(), inf, shares).amin(dim=1)  # [2]: low's min, high's min
+    largest = torch.where(shares.isnan(), -inf, shares).amax(dim=1)
+    extremes = torch.stack([smallest[0], largest[1]])
+    return torch.where(extremes.isinf(), torch.full_like(extremes, float("nan")), extremes)
+
+
+def clip_extremes(per_rank: list) -> dict[str, float | None]:
+    """TRL's clip_ratio/low_min and high_max from each rank's `extremes` of the micro-batches
+    since the last record (per_rank[r][i] = rank r's [low_min, high_max] of micro-batch i): per
+    micro-batch the minimum (maximum) over the ranks, as TRL takes it over the completions
+    gathered from every process; then the mean over micro-batches of those that are not NaN,
+    None where none is (TRL's logging average)."""
+    count = max((len(part) for part in per_rank), default=0)
+    out = {}
+    for slot, (name, pick) in enumerate(zip(EXTREMES, (min, max))):
+        values = []
+        for i in range(count):
+            mine = [part[i][slot] for part in per_rank if i < len(part)]
+            mine = [v for v in mine if not math.isnan(v)]
+            if mine:
+                values.append(pick(mine))
+        out[name] = sum(values) / len(values) if values else None
+    return out
 
 
 def _on_device(value, device) -> torch.Tensor:
