@@ -20,17 +20,19 @@ def plan_run(flags: dict, target: str, target_bytes: int, time_budget: float = 9
 
     step, args = planned_step(flags, target)
     accelerator = detect_accelerator("cpu", "eager")  # the trace runs here, on fake tensors
-    return (plan(step, args, target, target_bytes, accelerator=accelerator,
-                 time_budget=time_budget), step.name)
+    result = plan(step, args, target, target_bytes, accelerator=accelerator,
+                  time_budget=time_budget)
+    return result, step.name + "".join(f"; {note}" for note in result.notes)
 
 
 def planned_step(flags: dict, target: str | None = None):
     """(rehearsal.plan's StepModel, TrainingArguments) of the step the run `flags` describe
-    takes: DPO's on preference pairs, GRPO's on prompts with --reward-funcs, else the recipe's
-    own; precision "auto" as it means on `target` (None: as given)."""
+    takes: DPO's on preference pairs, GRPO's on prompts with --reward-funcs, packed SFT blocks
+    where the run packs examples, else the recipe's own; precision "auto" as it means on
+    `target` (None: as given)."""
     from ..accelerators.registry import target_runs_bf16
     from ..recipes import chosen_recipe
-    from ..rehearsal.plan import StepModel
+    from ..rehearsal.plan import StepModel, packed_step
 
     flags = {k: v for k, v in flags.items() if k not in ("target", "json")}  # plan's own
     dataset_given = bool(flags.get("dataset"))
@@ -45,6 +47,8 @@ def planned_step(flags: dict, target: str | None = None):
         step = _dpo_step(recipe, options, step)
     elif method == "grpo":
         step = _grpo_step(recipe, options, step)
+    elif _packs_examples(recipe, options, dataset_given):
+        step = packed_step(step)
     return step, args
 
 
@@ -70,6 +74,22 @@ def _method(recipe, options, dataset_given: bool) -> str:
         return "grpo"
     dpo = options.method == "dpo" or bool(options.ref_model or preference_flags_given(options))
     return "dpo" if dpo else "lm"
+
+
+def _packs_examples(recipe, options, dataset_given: bool) -> bool:
+    """Whether the run packs SFT examples into blocks (their lengths in `seq_lens`), as
+    `hputrain train` decides it: packing on (the default), and chat or instruction rows in the
+    data (its columns, read); without --dataset, --method sft. Text is cut into blocks as it
+    comes: no examples to keep apart."""
+    from ..recipes import hf
+
+    if recipe is not hf or not options.packing:
+        return False
+    if not dataset_given:
+        return options.method == "sft"
+    from ..recipes.hf_sft import data_method
+
+    return data_method(options.dataset, options.text_column) != "text"
 
 
 def _reference_build(recipe, options):

@@ -303,7 +303,8 @@ def step_model(options: HFOptions):
     block = options.block_size or min(1024, longest)
 
     def build(lora: bool):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # a copy each time: the kernels set the attention implementation on the config they see
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
         if lora:
             model = add_lora(model, dataclasses.replace(options, lora_r=options.lora_r or 16))
         return model

@@ -3,11 +3,14 @@ memory per rank by category, against a target device's memory (`hputrain plan`).
 
 How: the model is built on the meta device (shapes only: no weight is read), its tensors made
 fake inside torch's FakeTensorMode (tensors with shapes and dtypes whose operations run without
-storage: nothing of the model's size is allocated), prepared as the Trainer
-prepares it (the precision plugin, activation checkpointing, fsdp's sharding through hputrain's
-own strategy on a fake process group of the asked world size), and one step runs on it: forward
-under the precision's autocast, the loss, backward, the optimizer's step with its states already
-there (as in every step after the first), zero_grad. torch.distributed._tools' MemTracker (or
+storage: nothing of the model's size is allocated), prepared by the Trainer's own
+training/prepare.py (the device kernels, as this machine runs them; the precision plugin;
+activation checkpointing; fsdp's sharding through hputrain's own strategy on a fake process group
+of the asked world size; no compilation), and one step runs on it, with the batch the run would
+see (packed SFT blocks whose block mask the Trainer's PackedInputs builds, `packed_step`): forward
+under the precision's autocast, the loss (the method's Objective's, or the model's), backward,
+the optimizer's step with its states already there (as in every step after the first),
+zero_grad. torch.distributed._tools' MemTracker (or
 FSDPMemTracker under fsdp) counts every tensor alive through the step by what it is, and keeps the
 moment of the peak. Its categories become the plan's:
 
@@ -42,13 +45,14 @@ import torch
 
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.sections import Sections
-from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..distributed.group import reduces_in_a_copy
 from ..distributed.strategies import Strategy
 from ..errors import InputError
 from ..execution.precision import select_precision
 from ..training.evaluation import loss_of
+from ..training.loss import IGNORE_INDEX
 from ..training.optim import create_optimizer
+from ..training.prepare import prepare_model
 from .plan_tracking import (CATEGORIES,  # noqa: F401 (the API)
                             StepPeak, Trace, breakdown, tracker)
 
@@ -95,6 +99,8 @@ class Plan:
     ranks: int
     suggestions: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """How the trace stood in for what it could not run here (the kernels, a compiled step)."""
 
     @property
     def fits(self) -> bool:
@@ -103,6 +109,31 @@ class Plan:
     def as_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "target_bytes": self.target_bytes,
                 "fits": self.fits, "breakdown": self.breakdown, "suggestions": self.suggestions}
+
+
+def packed_step(base: StepModel, examples: int = 4) -> StepModel:
+    """`base` (a recipe's step on blocks of tokens) as the step of a run that packs SFT examples
+    into its blocks (data/packing.py's layout): each block holds `examples` whole examples, its
+    position_ids restarting at each and its `seq_lens` the examples' lengths, which the Trainer
+    turns into the block mask on the device (training/packed.py: [rows, 1, block, block] in the
+    compute dtype, and attention that takes a mask). Full blocks: the peak."""
+    def batch(size: int) -> dict:
+        rows = dict(base.batch(size))
+        ids = rows["input_ids"]
+        width = ids.shape[1]
+        lengths = [width // examples] * (examples - 1)
+        lengths.append(width - sum(lengths))
+        starts = [sum(lengths[:k]) for k in range(examples)]
+        labels = ids.clone()
+        labels[:, starts] = IGNORE_INDEX  # nothing in an example predicts its first token
+        seq_lens = torch.zeros(size, width, dtype=torch.long)
+        seq_lens[:, :examples] = torch.tensor(lengths)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        return {**rows, "labels": labels, "position_ids": positions.repeat(size, 1),
+                "seq_lens": seq_lens}
+
+    return dataclasses.replace(base, batch=batch,
+                               name=f"{base.name}, SFT examples packed {examples} to a block")
 
 
 def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
@@ -120,7 +151,8 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
         return trace_step(step_now, args_now, accelerator, backend=backend)
 
     traced = trace(step, args)
-    result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks)
+    result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks,
+                  notes=_notes(traced, args, target))
     if not result.fits:
         changes = list(_changes(step, args, offload=not target_is_host(target)))
         # a trace is not started unless one as long as the plan's own would end in the budget
@@ -130,8 +162,15 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
     return result
 
 
+@dataclass
+class StepTrace(Trace):
+    """A traced step (plan_tracking.Trace) and the device kernels its model ran with."""
+
+    kernels: dict[str, int] = field(default_factory=dict)
+
+
 def trace_step(step: StepModel, args, accelerator, fake: bool = True,
-               backend: str | None = None) -> Trace:
+               backend: str | None = None) -> StepTrace:
     """One training step of `args` traced (on fake tensors, or real ones to measure); `backend`
     is the communication backend the planned run would use (what its collectives copy)."""
     ranks = args.devices * args.num_nodes
@@ -146,13 +185,15 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
             for module in filter(None, (model, reference)):
                 module.to_empty(device="cpu")
-        model, optimizer, precision, clip, strategy = _prepare(model, args, group, accelerator)
+        prepared, optimizer, precision, clip, strategy = _prepare(model, args, group, accelerator)
+        model = prepared.model
         if reference is not None and not fake:
             reference = strategy.place_frozen(reference, torch.device("cpu"))
         elif reference is not None and sharded:  # as place_frozen does; fake tensors cannot
             strategy._shard(reference)  # be moved (.to), and are where the trace runs already
+        # the method's own loss (its Objective's), else the model's, called as the Trainer calls it
         loss_fn = (step.objective(reference, model, sharded, args) if step.objective
-                   else lambda module, batch: loss_of(_call(module, batch)))
+                   else lambda module, batch: loss_of(prepared.forward(module, batch)))
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
@@ -163,7 +204,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         copies = _BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
         with counting:
             with precision.forward_context():
-                loss = loss_fn(model, batch)
+                loss = loss_fn(prepared.wrapped, batch)
             if replicated and reduces_in_a_copy(backend):
                 copies.install()
             loss.backward()
@@ -171,7 +212,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        traced = breakdown(counting)
+        traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels)
     if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         traced.breakdown["temporary"] += buckets
@@ -225,21 +266,21 @@ class _BucketCopies:
 
 
 def _prepare(model, args, group, accelerator):
-    """(model, optimizer, precision, clip, strategy) as the Trainer prepares them: the precision plugin,
-    activation checkpointing, fsdp's sharding (on `group`, when there is one), AdamW; `clip()`
-    clips the gradients as the Trainer does (a no-op without max_grad_norm)."""
+    """(Prepared, optimizer, precision, clip, strategy): the model prepared by the Trainer's own
+    training/prepare.py (kernels, precision, checkpointing, fsdp's sharding on `group` when there
+    is one), then AdamW; `clip()` clips the gradients as the Trainer does (a no-op without
+    max_grad_norm). The step is traced eagerly: graph capture and compilation are left out."""
     settings = Sections.of(args)
     precision = select_precision(settings.precision, AcceleratorConfig(), accelerator)
-    model = precision.convert_module(model)
-    strategy = Strategy()
+    strategy = Strategy()  # ddp: one process's step (its gradient buckets are added after)
     if group is not None:
         from ..distributed.fsdp import FSDP
 
         strategy = FSDP(group, settings.parallelism, precision)
-        strategy.device = torch.device("cpu")
-    apply_activation_checkpointing(model, settings.activation_checkpointing)
-    if group is not None:
-        model = strategy.wrap(model)
+        strategy.device = torch.device("cpu")  # where the trace runs (nothing is placed: fake)
+    prepared = prepare_model(model, args, settings, accelerator=accelerator, precision=precision,
+                             strategy=strategy, device=None, capture=False)
+    model = prepared.model
     optimizer = create_optimizer(model, settings.optimizer, AcceleratorConfig(), accelerator)
 
     def clip() -> None:  # the norms' temporaries
@@ -247,7 +288,7 @@ def _prepare(model, args, group, accelerator):
             params = [p for p in model.parameters() if p.requires_grad]
             strategy.clip_grad_norm(accelerator, params, args.max_grad_norm)
 
-    return model, optimizer, precision, clip, strategy
+    return prepared, optimizer, precision, clip, strategy
 
 
 def _frozen(reference, args, accelerator):
@@ -257,6 +298,22 @@ def _frozen(reference, args, accelerator):
         return None
     precision = select_precision(Sections.of(args).precision, AcceleratorConfig(), accelerator)
     return precision.convert_frozen(reference)
+
+
+def _notes(traced: StepTrace, args, target: str) -> list[str]:
+    """What the plan says of how its trace stood in for the run: the kernels are this machine's
+    (the target's own, FusedSDPA on Gaudi, cannot run here), and a compiled or graph-captured
+    step is traced as the eager one."""
+    from ..accelerators.registry import target_is_host
+    from ..execution.kernels import describe
+
+    notes = []
+    if traced.kernels:
+        notes.append(f"kernels {describe(traced.kernels)}"
+                     + ("" if target_is_host(target) else f" (this machine's, for {target}'s)"))
+    if args.use_graphs_for_training or args.torch_compile or args.execution_mode == "compile":
+        notes.append("the compiled step planned as the eager one")
+    return notes
 
 
 def _warm_up(optimizer, clip) -> None:
@@ -388,7 +445,3 @@ def _fake_group(ranks: int):
 
 def _values(batch):
     return batch.values() if isinstance(batch, dict) else batch
-
-
-def _call(model, batch):
-    return model(**batch) if isinstance(batch, dict) else model(*batch)

@@ -1,6 +1,8 @@
 """The real step a plan is checked against (bench/plan_accuracy.py, tests/test_plan_accuracy.py):
 a 3-step run of hputrain's Trainer (DPOTrainer for a DPO step) on the model a StepModel builds
 (random weights) and batches of its shape, whose third step StepPeak counts (plan_tracking.py).
+A packed step's blocks (rehearsal.plan.packed_step) carry their position_ids and seq_lens, as
+the run's blocks do.
 
 For DPO the pairs fill the block (a prompt of half the block, completions of the other half),
 as the plan assumes; the reference is what the run would have: a frozen model built as the plan
@@ -37,8 +39,8 @@ def measure_step(step: StepModel, args, output_dir: str) -> tuple[Trace, bool]:
     if step.grpo is not None:
         trainer = _grpo_trainer(step, args, model, peak)
     elif step.preference is None:
-        batch = step.batch(args.per_device_train_batch_size)
-        samples = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
+        batch = step.batch(args.per_device_train_batch_size)  # packed blocks where the run packs
+        samples = [{k: v[i] for k, v in batch.items() if isinstance(v, torch.Tensor)}
                    for i in range(args.per_device_train_batch_size)] * copies
         trainer = Trainer(model, args, train_dataset=samples, callbacks=[peak])
     else:

@@ -33,9 +33,8 @@ from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
 from ..config.sections import Sections
 from ..data.batching import (LABEL_NAMES, DropUnusedColumns, LoaderOptions, MicroBatches,
-                             default_collator_for, host_can_pin, model_input_names, to_device)
+                             default_collator_for, host_can_pin, to_device)
 from ..distributed import ProcessGroup, select_strategy
-from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..distributed.context_parallel import ContextParallel, NoContextParallel
 from ..distributed.launch import needs_launch, relaunch_current_program
 from ..distributed.launchers import adopt_launcher_env
@@ -50,7 +49,8 @@ from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401 
 from .intervals import BestCheckpoint, Intervals, total_steps_of
 from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
-from .packed import PACKING_KEYS, PackedInputs
+from .packed import PACKING_KEYS
+from .prepare import prepare_model
 from .signals import StopSignals
 from .telemetry import ThroughputClock, flops_per_token, job_peak_flops
 
@@ -109,24 +109,16 @@ class Trainer(CallbackHost):
         self.processing_class = processing_class  # a tokenizer: saved beside the model by save_model
         self.strategy = select_strategy(self.settings.parallelism, self.group, self.accelerator,
                                         self.precision)
-        # the device's attention and RMSNorm kernels in a Hugging Face model (execution/kernels.py)
-        if self.args.attention_recompute is not None:
-            self.accelerator.attention_recompute = self.args.attention_recompute
-        self.kernels = kernels.substitute(model, self.accelerator, self.args.fused_kernels)
-        # on the device, except a meta-device model, which fsdp shards before it materialises it
-        self.model = self.strategy.place(self.precision.convert_module(model), self.device)
-        apply_activation_checkpointing(self.model, self.settings.activation_checkpointing)  # before the strategy wraps it
-        self.inputs = model_input_names(model)
-        self.packed = PackedInputs(model, self.precision, self.inputs)  # seq_lens -> block mask (packed.py)
+        # kernels, precision, placement, checkpointing, the strategy's wrap, graphs or compile:
+        # in one place (prepare.py), which `hputrain plan` prepares its traced model with too
+        prepared = prepare_model(model, self.args, self.settings, accelerator=self.accelerator,
+                                 precision=self.precision, strategy=self.strategy, device=self.device)
+        self.model, self.wrapped, self.kernels = prepared.model, prepared.wrapped, prepared.kernels
+        self.inputs, self.packed, self._prepared = prepared.inputs, prepared.packed, prepared
         # the training method (objective.py): language modelling unless a method says otherwise
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
         self.context_parallel = self._context_parallel()
-        self.wrapped = self.strategy.wrap(self.model)  # DDP's wrapper; fast_ddp broadcasts; fsdp shards
-        if self.args.use_graphs_for_training:
-            self.wrapped = self.accelerator.wrap_graph_training(self.wrapped)
-        elif self.accelerator.execution_mode == "compile":
-            self.wrapped = execution.compile_model(self.wrapped, self.settings.execution, self.accelerator)
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
         self._step_tokens = self._step_seen = 0  # counted tokens of the step's global batch (loss.py)
@@ -382,16 +374,10 @@ class Trainer(CallbackHost):
         return torch.zeros(()).to(self.device)
 
     def _forward(self, batch, module=None, **loss_kwargs):
-        """Call the model (or `module`) on a batch: a dict by keyword (only the keys its forward
-        accepts), with `loss_kwargs` (num_items_in_batch) for a model that takes them."""
-        module = self.wrapped if module is None else module
-        if isinstance(batch, dict):
-            batch, inputs = self.packed(batch), self.inputs  # a packed block's mask, on the device
-            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
-                          **loss_kwargs)
-        if isinstance(batch, (list, tuple)):
-            return module(*batch)
-        return module(batch)
+        """Call the model (or `module`) on a batch (Prepared.forward: a packed block's mask built,
+        only the keys the forward takes), with `loss_kwargs` (num_items_in_batch)."""
+        return self._prepared.forward(self.wrapped if module is None else module, batch,
+                                      **loss_kwargs)
 
     def _inference_module(self):
         """The module evaluate and predict call: captured graphs with use_graphs_for_inference."""
