@@ -346,6 +346,8 @@ PROBES = {
     "where.self": lambda x, m: torch.where(m, x, 0.0),
     "logical_not.out": lambda x, m: m.logical_not(),
     "bitwise_not": lambda x, m: ~m,
+    "logical_and.out": lambda x, m: m.logical_and(m),
+    "lerp.Scalar": lambda x, m: x.lerp(x * 2, 0.5),
 }
 
 

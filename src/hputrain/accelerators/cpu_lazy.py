@@ -43,6 +43,8 @@ BACKEND_FALLBACKS = {
     "where.self": "torch.where has no lazy kernel",
     "logical_not.out": "logical_not has no lazy kernel",
     "bitwise_not": "`~tensor` has no lazy kernel",
+    "logical_and.out": "logical_and has no lazy kernel (`&` on booleans has one); GRPO's masks meet it",
+    "lerp.Scalar": "lerp has no lazy kernel: torch.optim.Adam and AdamW call it every step",
 }
 
 

@@ -43,6 +43,7 @@ def add_doctor_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=2,
                    help="first steps whose graph compilations are expected (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("script", help="a Python script that trains with hputrain's Trainer")
+    p.add_argument("script", help="a training script: hputrain's Trainer, a Hugging Face Trainer, or a "
+                   "plain PyTorch loop written for Gaudi (habana_frameworks, the hpu device)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(func=cmd_doctor)

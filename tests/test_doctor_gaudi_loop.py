@@ -1,0 +1,164 @@
+"""`hputrain doctor` on plain PyTorch loops written for Gaudi (tests/doctor_scripts/gaudi_*.py),
+run unmodified under the stand-in Gaudi runtime (rehearsal/standin.py): each classic mistake found
+at its line of the script, a clean loop with no finding, one rank of a data-parallel script, and
+the stand-in itself (its modules, the hpu device, and that it leaves nothing behind)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hputrain.errors import InputError
+from hputrain.rehearsal.doctor import run
+from hputrain.rehearsal.standin import NOT_COVERED, StandIn
+
+SCRIPTS = Path(__file__).parent / "doctor_scripts"
+LOOP = SCRIPTS / "gaudi_loop.py"
+
+
+def line_of(tag: str, script: Path = LOOP) -> str:
+    """gaudi_loop.py:N of the line marked `# LINE: tag`."""
+    for number, text in enumerate(script.read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# LINE: {tag}"):
+            return f"{script.name}:{number}"
+    raise AssertionError(tag)
+
+
+@pytest.fixture(autouse=True)
+def cpu(monkeypatch):
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+
+
+def doctor(*args, script=LOOP, steps=6, warmup=2):
+    return run(str(script), list(args), steps, warmup)
+
+
+def kinds(report):
+    return sorted(f["kind"] for f in report["findings"])
+
+
+def test_clean_loop_has_no_finding():
+    report = doctor()
+    assert report["steps"] == 6 and report["findings"] == []
+    assert report["compiles_per_step"][2:] == [0, 0, 0, 0] and report["host_syncs_per_step"] == [0] * 6
+    assert report["fallback_ops"] == {} and report["shapes"]["distinct"] == ["[4, 16]"]
+    assert report["loop"]["optimizer_step_at"] == line_of("step") and report["loop"]["mark_steps"] >= 12
+    assert any("plain loop" in note for note in report["notes"])
+
+
+def test_a_new_length_every_step_recompiles():
+    report = doctor("lengths")
+    assert kinds(report) == ["recompilation"] and report["shapes"]["growing"]
+    assert report["shapes"]["distinct"] == [f"[4, {16 + 3 * s}]" for s in range(6)]
+    assert all(report["compiles_per_step"][2:])
+    assert f"moved to the device at {line_of('inputs')}" in report["findings"][0]["message"]
+
+
+def test_item_in_the_step_is_a_host_sync():
+    report = doctor("item")
+    assert kinds(report) == ["host_sync"] and report["host_syncs_per_step"] == [1] * 6
+    assert f"item at {line_of('item')} (6x)" in report["findings"][0]["message"]
+
+
+def test_python_branch_on_a_tensor_is_a_host_sync():
+    report = doctor("branch")
+    assert kinds(report) == ["host_sync"]
+    message = report["findings"][0]["message"]
+    assert f"__bool__ at {line_of('branch')} (6x)" in message and "torch.where" in message
+
+
+def test_boolean_indexing_falls_back():
+    """Boolean indexing (a loss masked by `losses[mask]`) runs eagerly: its result's shape depends
+    on the data, on Gaudi too; its backward falls on the `.backward()` line."""
+    report = doctor("fallback")
+    assert "fallback" in kinds(report)
+    assert report["fallback_ops"] == {"index.Tensor": 6, "_index_put_impl_": 6}
+    [finding] = [f for f in report["findings"] if f["kind"] == "fallback"]
+    assert f"index.Tensor (6x, at {line_of('fallback')})" in finding["message"]
+
+
+def test_missing_mark_step_is_found_at_the_optimizer_step():
+    report = doctor("no-mark-step")
+    assert kinds(report) == ["missing_mark_step"] and report["steps"] == 6
+    assert report["loop"]["mark_steps"] == 0
+    message = report["findings"][0]["message"]
+    assert f"after optimizer.step() at {line_of('step')}" in message
+    assert report["compiles_per_step"][3:] == [0, 0, 0]  # the doctor's marks make a steady step
+    assert report["shapes"]["distinct"] == ["[4, 16]"]
+
+
+def test_one_rank_of_a_data_parallel_script(monkeypatch):
+    """WORLD_SIZE=2 from a launcher: rank 0 rehearsed alone on an "hccl" (Gloo) group, the
+    environment put back afterwards."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    report = doctor(script=SCRIPTS / "gaudi_ddp.py")
+    assert report["steps"] == 6 and report["findings"] == []
+    assert report["notes"][0].startswith("started as one rank of WORLD_SIZE=2: rehearsed as rank 0 alone")
+    assert os.environ["WORLD_SIZE"] == "2" and "MASTER_PORT" not in os.environ
+    assert not torch.distributed.is_initialized()
+
+
+def test_uncovered_part_of_habana_frameworks_is_one_line():
+    with pytest.raises(InputError) as error:
+        doctor(script=SCRIPTS / "gaudi_uncovered.py")
+    message = str(error.value)
+    assert message.startswith("gaudi_uncovered.py failed in the rehearsal at gaudi_uncovered.py:8: AttributeError")
+    assert f"{NOT_COVERED} habana_frameworks.torch.hpu.enable_dynamic_shape" in message
+    assert "\n" not in message
+
+
+def test_standin_modules_device_and_removal():
+    """find_spec finds the modules (transformers asks it), torch.hpu is registered, hpu lands on
+    the lazy device through .to, device= and Module.to; removing it leaves nothing behind."""
+    with StandIn() as runtime:
+        assert importlib.util.find_spec("habana_frameworks.torch.core") is not None
+        import habana_frameworks.torch.core as htcore
+        import habana_frameworks.torch.hpu as hthpu
+
+        assert torch.hpu is hthpu and hthpu.is_available() and hthpu.device_count() >= 1
+        model = torch.nn.Linear(3, 2).to("hpu")
+        x = torch.ones(4, 3).to(torch.device("hpu:0"))
+        y = torch.zeros(4, 2, device="hpu")
+        assert {model.weight.device.type, x.device.type, y.device.type, x.hpu().device.type} == {"lazy"}
+        assert hthpu.wrap_in_hpu_graph(model) is model
+        assert torch.compile(model, backend="hpu_backend") is model
+        out = (model(x) - y).sum()
+        htcore.mark_step()
+        assert runtime.mark_steps == 1
+        weight, bias = model.weight.cpu(), model.bias.cpu()
+        assert out.cpu().item() == pytest.approx(float((torch.ones(4, 3) @ weight.T + bias).sum()))
+        stats = hthpu.memory_stats()
+        assert 0 < stats["InUse"] <= stats["MaxInUse"] <= stats["Limit"]
+    assert "habana_frameworks" not in sys.modules and not hasattr(torch, "hpu")
+    assert importlib.util.find_spec("habana_frameworks") is None and not hasattr(torch.Tensor, "hpu")
+
+
+def test_cli_prints_the_report_and_a_bad_script_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", "--steps", "4", str(LOOP), "item"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "HPUTRAIN_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert "hputrain doctor: 4 steps of" in proc.stdout and "host syncs per step:         [1, 1, 1, 1]" in proc.stdout
+    assert "- host_sync: values read back to the host inside the step, 1 per step." in proc.stdout
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nimport habana_frameworks.torch.core as htcore\n"
+                   "x = torch.ones(2).to('hpu')\nraise ValueError('no data in ./data')\n")
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", str(bad)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "bad.py failed in the rehearsal at bad.py:4: ValueError: no data in ./data" in proc.stderr
+
+
+def test_json_report_of_a_loop_is_the_trainer_report_shape(tmp_path):
+    """The same keys as an hputrain Trainer script's report, plus the loop's own."""
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", "--json", "--steps", "3", str(LOOP)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    report = json.loads(proc.stdout)
+    assert {"steps", "compiles_per_step", "host_syncs_per_step", "shapes", "run_shapes", "fallback_ops",
+            "backend_gaps_left_out", "findings", "notes", "loop"} <= set(report)
