@@ -62,8 +62,6 @@ def allowed(case: dict) -> bool:
         return False  # DPO always has one; GRPO has none at beta 0 (n/a), else one (beta 0.04)
     if grpo and case["reference"] == "ref_precomputed":
         return False  # GRPO's reference runs on each rollout (and each evaluation batch)
-    if (case["adapters"], case["processes"], case["reference"]) == ("lora", "fsdp2", "ref_precomputed"):
-        return False  # refused (REFUSED): FSDP2 after the adapter-disabled passes
     if case["reference"] == "ref_adapters" and case["adapters"] != "lora":
         return False  # the adapter-disabled base needs adapters
     if case["reference"] == "ref_frozen" and case["adapters"] != "full":
@@ -186,11 +184,6 @@ REFUSED = (
     Refusal("grpo+streaming", "grpo", ("--streaming", "--reward-funcs", "{reward_funcs}"),
             "hputrain: error: --streaming trains causal LM and SFT rows; GRPO reads its prompts "
             "whole: leave out --streaming", processes=False),
-    Refusal("dpo+lora+fsdp2+ref_precomputed", "dpo",
-            ("--devices", "2", "--strategy", "fsdp", "--lora-r", "4", "--precompute-ref-log-probs"),
-            "hputrain: error: precompute_ref_log_probs with LoRA under strategy='fsdp' is not "
-            "supported: leave it out (under LoRA the reference is the adapter-disabled base, which "
-            "costs no memory)", processes=True),
     Refusal("ref_model+text", "text", ("--ref-model", "{ref_model}"),
             "hputrain: error: --ref-model is for preference pairs (DPO), and --dataset {dataset} "
             "holds none", processes=False),

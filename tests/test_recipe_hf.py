@@ -15,7 +15,7 @@ from .hf_fixtures import SAMPLE_TEXT, llama_folder, write_text_file  # noqa: F40
 transformers = pytest.importorskip("transformers", reason="the Hugging Face recipe needs transformers")
 
 from hputrain.cli import main  # noqa: E402
-from hputrain.recipes import hf, hf_data  # noqa: E402
+from hputrain.recipes import hf, hf_common, hf_data  # noqa: E402
 
 BLOCK = 32
 SMALL = ["--precision", "32", "--block-size", str(BLOCK), "--per-device-train-batch-size", "4",
@@ -108,7 +108,7 @@ def test_lora_trains_only_adapters(tmp_path, llama_folder, text_file, capsys, mo
     reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(llama_folder),
                                     peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16))
     expected = sum(p.numel() for p in reference.parameters() if p.requires_grad)
-    assert f"LoRA r=8 on q_proj, v_proj, {hf._count(expected)} of" in stdout, stdout
+    assert f"LoRA r=8 on q_proj, v_proj, {hf_common._count(expected)} of" in stdout, stdout
     final = final_or_skip(out, stdout)
     assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
     base = transformers.AutoModelForCausalLM.from_pretrained(llama_folder)

@@ -278,6 +278,7 @@ def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
                            "--disable-tqdm", "--validation-split-percentage", "0", "--precision",
                            "fp32"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+    (tmp_path / f"{name}.stdout").write_text(proc.stdout)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line]
 
@@ -318,3 +319,60 @@ def test_bad_input_is_one_line_and_exit_2(folders, tmp_path, capsys, rows, flags
     assert status == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+# -- the token cache and sharded loading (issue 32's review) ---------------------------------------
+
+def test_pairs_are_cached_once_per_node_and_read_back_as_encoded(folders, tmp_path, monkeypatch):
+    """The reward recipe's pairs go through DPO's cache (hf_dpo.load_pairs, token_store): the
+    first load encodes and writes them, a second one reads them back without encoding a row,
+    equal to the eager encoding (margins included); the validation split held out as before."""
+    from types import SimpleNamespace
+
+    from hputrain.recipes import hf_data, hf_reward
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(12, margin=True))
+    options = SimpleNamespace(dataset=str(data), validation_split_percentage=25, dataset_num_proc=1)
+    tokenizer = tokenizer_of(folders["causal"])
+    load = lambda: hf_reward.load_reward_pairs(options, tokenizer, 64, cache_dir=tmp_path / "cache",  # noqa: E731
+                                               tokenizer_folder=folders["causal"])
+    train, held, stats = load()
+    eager, eager_stats = encode_reward_pairs(hf_data.records(str(data)), tokenizer, 64)
+    assert list(train) + list(held) == eager and stats == eager_stats and len(held) == 3
+    assert all("margin" in pair for pair in eager)
+    assert len([p for p in (tmp_path / "cache").glob("reward-*") if p.is_dir()]) == 1
+
+    def encode(*_):
+        raise AssertionError("the second load encoded rows: the cache was not read")
+
+    monkeypatch.setattr(hf_reward, "encode_reward_part", encode)
+    again, held_again, stats_again = load()
+    assert list(again) == list(train) and list(held_again) == list(held) and stats_again == stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp_on_two_processes_loads_shards_and_trains_as_one(folders, tmp_path, lora):
+    """Under fsdp each rank reads only its shards of the causal LM's folder, and the score head
+    the folder lacks is drawn as from_pretrained draws it (LoRA's adapters as PEFT draws them):
+    2 processes x 2 pairs equal 1 process x 4 pairs (one loads the whole model), first step
+    included."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows(4, margin=True))
+    common = ["--model", str(folders["causal"]), "--dataset", str(data), "--max-steps", "2",
+              "--seed", "5", "--learning-rate", "1e-2",
+              *(["--lora-r", "4", "--lora-dropout", "0"] if lora else [])]
+    one = launch(tmp_path, "one", *common, "--per-device-train-batch-size", "4")
+    two = launch(tmp_path, "two", *common, "--per-device-train-batch-size", "2", "--devices", "2",
+                 "--strategy", "fsdp")
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "accuracy", "margin", "min_reward", "max_reward",
+                    "mean_reward", "num_tokens"):
+            assert a[key] == pytest.approx(b[key], abs=2e-5, rel=1e-5), (a["step"], key)
+    said = (tmp_path / "two.stdout").read_text()
+    assert "new score head" in said and "loads the whole model" not in said, said[-2000:]
+    if lora:
+        assert (tmp_path / "two" / "final" / "adapter_model.safetensors").is_file()
+    else:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "two" / "final")
+        assert model.config.num_labels == 1

@@ -114,6 +114,19 @@ class FSDP(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 module of `model` back to its shards (nothing for a model that is not sharded).
+    The root and the last block keep their gathered parameters from a forward to its backward
+    (`_shard`); after a forward with no backward (a pass over the data before training) they would
+    stay gathered, registered in the modules in place of the shards, and an optimizer built then
+    would hold those gathered tensors, which never receive a gradient."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def reshard_after_forward(settings) -> bool:
     """fsdp_reshard_after_forward, else what the fsdp mode says (shard_grad_op: False)."""
     if settings.fsdp_reshard_after_forward is not None:

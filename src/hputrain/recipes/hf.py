@@ -21,6 +21,7 @@ from .hf_adapters import (adapter_base, continued_rank, is_adapter_folder, load_
                           tokenizer_folder, tokenizer_source)
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
 from .hf_common import first_line as _first_line
+from .hf_common import model_line
 from .hf_methods import data_kind, is_prompts, method_options  # noqa: F401  (imported from here too)
 
 METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
@@ -474,32 +475,6 @@ def _is_linear(module) -> bool:
 
 # -- the run header ------------------------------------------------------------------------------
 
-def model_line(trainer, model, options: HFOptions) -> str:
-    """The header's first line: the model (its own class, not FSDP2's wrapper class), LoRA's
-    adapters, the parameters trained, the device, the compute dtype and the kernels."""
-    from .finish import kernels_line
-
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    name = _class_name(model)
-    if options.lora_r:
-        peft_config = next(iter(model.peft_config.values()))
-        targets = peft_config.target_modules
-        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
-        name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
-    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
-            f"{_count(trainable)} of {_count(total)} parameters trainable, on "
-            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
-
-
-def _class_name(model) -> str:
-    """The model's class name, past the classes torch.distributed wraps it in (fully_shard makes
-    an FSDP<Class> subclass)."""
-    return next(cls.__name__ for cls in type(model).__mro__
-                if not cls.__module__.startswith("torch.distributed"))
-
-
 def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
     from .hf_sft import METHODS, counted, describe, split_sizes
 
@@ -520,13 +495,6 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
                f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else
                describe(data, options, block_size, f"from {options.dataset} ({cached})"))
             + f"hputrain: validation: {validation}")
-
-
-def _count(n: int) -> str:
-    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 def _shapes() -> str:

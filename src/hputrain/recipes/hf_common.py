@@ -24,3 +24,36 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def model_line(trainer, model, options) -> str:
+    """The header's first line: the model (its own class, not FSDP2's wrapper class), LoRA's
+    adapters, the parameters trained, the device, the compute dtype and the kernels."""
+    from .finish import kernels_line
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    name = _class_name(model)
+    if options.lora_r:
+        peft_config = next(iter(model.peft_config.values()))
+        targets = peft_config.target_modules
+        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
+        name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
+    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
+            f"{_count(trainable)} of {_count(total)} parameters trainable, on "
+            f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
+            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
+
+
+def _class_name(model) -> str:
+    """The model's class name, past the classes torch.distributed wraps it in (fully_shard makes
+    an FSDP<Class> subclass)."""
+    return next(cls.__name__ for cls in type(model).__mro__
+                if not cls.__module__.startswith("torch.distributed"))
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..data.preference import PAIR_KEYS, EncodedPairs, PairStats, encode_part, p
 from ..data.token_store import Ragged
 from ..errors import InputError
 from . import hf_data
+from .hf_common import model_line
 
 CACHE_VERSION = 1
 
@@ -57,8 +59,8 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
                          eval_dataset=validation, processing_class=tokenizer,
                          accelerator_config=accelerator_config)
     if trainer.group.is_main:
-        print(_header(options, model, stats, len(train), len(validation or ()), block_size,
-                      reference, pair_shape(hf_data.columns_of(options.dataset) or []))
+        print(_header(trainer, model, options, stats, len(train), len(validation or ()),
+                      block_size, reference, pair_shape(hf_data.columns_of(options.dataset) or []))
               + _defaults_line(training_args))
     output = trainer.train()
     final = save_final(trainer, output)
@@ -73,18 +75,44 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
     return status or 0
 
 
+@dataclasses.dataclass(frozen=True)
+class PairForm:
+    """A method's preference pairs as `load_pairs` makes them (DPO's here, a reward model's in
+    hf_reward.py): `encode(context, rows) -> (part, stats)`, the work of one tokenizing process;
+    `join` of the parts; its cache's `write(folder, (pairs, stats))` and `read(folder)` ((pairs,
+    stats), None when missing or damaged); `stats`, a dataclass of counts summed over the parts
+    and the splits; `extra`, what else decides the tokens (part of the cache's key); `empty`, why
+    no pair can be left (the end of an error line). Pairs have len and take(start, stop)."""
+    name: str
+    encode: Callable
+    context: tuple
+    join: Callable
+    read: Callable
+    write: Callable
+    stats: type
+    extra: list
+    empty: str
+
+
+def dpo_form(options, tokenizer, block_size: int) -> PairForm:
+    """DPO's pairs: EncodedPairs, memory-mapped from the cache."""
+    return PairForm("dpo", encode_part, (tokenizer, block_size, options.max_prompt_length),
+                    EncodedPairs.join, _read_pairs, _write_pairs, PairStats,
+                    [options.max_prompt_length], f"every prompt fills --block-size {block_size}")
+
+
 def load_pairs(options, tokenizer, block_size: int, *, cache_dir: str | Path | None = None,
-               tokenizer_folder: str | Path | None = None):
-    """(training pairs, validation pairs or None, PairStats of every split): EncodedPairs,
-    memory-mapped from a cache in `cache_dir` made once per node (token_store.made_once), or
-    held in memory when there is no cache_dir."""
+               tokenizer_folder: str | Path | None = None, form: PairForm | None = None):
+    """(training pairs, validation pairs or None, stats of every split) of `form` (DPO's unless
+    given), from a cache in `cache_dir` made once per node (token_store.made_once), or held in
+    memory when there is no cache_dir."""
+    form = form or dpo_form(options, tokenizer, block_size)
     path, percentage = options.dataset, options.validation_split_percentage
-    read = (options, tokenizer, block_size, cache_dir, tokenizer_folder)
+    read = (options, tokenizer, block_size, cache_dir, tokenizer_folder, form)
     pairs, stats = _encoded_pairs(*read, hf_data.TRAIN_SPLIT)
     if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
         held, more = _encoded_pairs(*read, hf_data.VALIDATION_SPLIT)
-        stats = PairStats(*(getattr(stats, f.name) + getattr(more, f.name)
-                            for f in dataclasses.fields(PairStats)))
+        stats = _summed(form.stats, [stats, more])
     elif percentage > 0:
         count = max(1, int(len(pairs) * percentage / 100))
         if count >= len(pairs):
@@ -95,37 +123,38 @@ def load_pairs(options, tokenizer, block_size: int, *, cache_dir: str | Path | N
     else:
         held = None
     if not len(pairs):
-        raise InputError(f"--dataset {path}: no pair is left to train on (every prompt fills "
-                         f"--block-size {block_size})")
+        raise InputError(f"--dataset {path}: no pair is left to train on ({form.empty})")
     return pairs, held if held is not None and len(held) else None, stats
 
 
 PAIR_ARRAYS = tuple(name for key in PAIR_KEYS for name in (key, f"{key}.offsets")) + ("stats",)
 
 
-def _encoded_pairs(options, tokenizer, block_size: int, cache_dir, tokenizer_folder, split: str):
-    """(EncodedPairs, PairStats) of one split, encoded by --dataset-num-proc processes."""
+def _summed(kind: type, parts: list):
+    return kind(*(sum(getattr(s, f.name) for s in parts) for f in dataclasses.fields(kind)))
+
+
+def _encoded_pairs(options, tokenizer, block_size: int, cache_dir, tokenizer_folder,
+                   form: PairForm, split: str):
+    """(pairs, stats) of one split, encoded by --dataset-num-proc processes."""
     path = options.dataset
     workers = token_store.check_workers(getattr(options, "dataset_num_proc", None))
-    context = (tokenizer, block_size, options.max_prompt_length)
 
     def make():
         parts = list(token_store.ordered_map(
-            encode_part, context, token_store.chunks(hf_data.records(path, split), 256), workers))
-        stats = PairStats(*(sum(getattr(s, f.name) for _, s in parts)
-                            for f in dataclasses.fields(PairStats)))
-        return EncodedPairs.join([p for p, _ in parts]), stats
+            form.encode, form.context, token_store.chunks(hf_data.records(path, split), 256), workers))
+        return form.join([p for p, _ in parts]), _summed(form.stats, [s for _, s in parts])
 
     if cache_dir is None:
         return make()
     kind, files = hf_data.source_files(path)
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else repr(template)
-    extra = [CACHE_VERSION, "dpo", options.max_prompt_length, hashlib.sha256(template.encode()).hexdigest()]
-    key = hf_data.cache_key(kind, Path(path), files, tokenizer, tokenizer_folder, block_size, "dpo",
-                            split if kind == "saved" else None, extra)
-    made, _ = token_store.made_once(Path(cache_dir) / f"dpo-{key[:24]}", _read_pairs, make,
-                                    _write_pairs)
+    extra = [CACHE_VERSION, form.name, *form.extra, hashlib.sha256(template.encode()).hexdigest()]
+    key = hf_data.cache_key(kind, Path(path), files, tokenizer, tokenizer_folder, block_size,
+                            form.name, split if kind == "saved" else None, extra)
+    made, _ = token_store.made_once(Path(cache_dir) / f"{form.name}-{key[:24]}", form.read, make,
+                                    form.write)
     return made
 
 
@@ -166,18 +195,21 @@ def _defaults_line(training_args) -> str:
     return f"hputrain: defaults for DPO: {', '.join(kept)} (TRL's DPOConfig); set {flags} to change\n"
 
 
-def _header(options, model, stats: PairStats, train: int, held: int, block_size: int,
+def _header(trainer, model, options, stats: PairStats, train: int, held: int, block_size: int,
             reference: str, shape: str) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
     smoothing = f", label_smoothing {options.label_smoothing:g}" if options.label_smoothing else ""
     precomputed = (" (log-probs precomputed once, cached in output_dir/.cache)"
                    if options.precompute_ref_log_probs else "")
-    return (f"hputrain: {type(model).__name__} from {options.model}: {total:,} parameters, "
-            f"{trainable:,} trained\n"
-            f"hputrain: method: {SHAPES[shape]}\n"
-            f"hputrain: loss {options.loss_type}, beta {options.beta:g}{smoothing}; reference: "
-            f"{reference}{precomputed}\n"
-            f"hputrain: {stats.rows} rows, {train} training and {held} validation pairs, "
-            f"{stats.prompt_fills_block} left out (prompt fills --block-size {block_size}), "
-            f"{stats.truncated} cut to {block_size} tokens\n")
+    return pairs_header(trainer, model, options, SHAPES[shape],
+                        f"loss {options.loss_type}, beta {options.beta:g}{smoothing}; reference: "
+                        f"{reference}{precomputed}",
+                        f"{stats.rows} rows, {train} training and {held} validation pairs, "
+                        f"{stats.prompt_fills_block} left out (prompt fills --block-size "
+                        f"{block_size}), {stats.truncated} cut to {block_size} tokens")
+
+
+def pairs_header(trainer, model, options, method: str, loss: str, pairs: str) -> str:
+    """The header of a run on preference pairs (DPO, a reward model): the model, then the method,
+    its loss and the pairs, a line each."""
+    return (f"{model_line(trainer, model, options)}\nhputrain: method: {method}\n"
+            f"hputrain: {loss}\nhputrain: {pairs}\n")

@@ -9,7 +9,10 @@ which also trains and saves the score head (modules_to_save), so final/ loads as
 PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base,
 num_labels=1), final). Validation: the data set's own "validation" split, else the last
 --validation-split-percentage of the pairs, as for DPO. --block-size is the longest sequence kept:
-longer pairs are left out (TRL's max_length). The rows are encoded in memory, in this process.
+longer pairs are left out (TRL's max_length). The rows are encoded once per node by
+--dataset-num-proc processes and cached in output_dir/.cache (or --cache-dir), through DPO's
+code (hf_dpo.load_pairs). Under fsdp across processes the model is loaded shard by shard, as
+the other recipes load it (hf_sharded.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 from ..errors import InputError
 from . import hf_data
 from .hf_common import choose_block_size, first_line
+from .hf_sharded import meta_model
 
 SHAPES = {"prompt_chosen_rejected": "reward model on preference pairs ('prompt', 'chosen', "
                                     "'rejected')",
@@ -37,20 +41,25 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     from .finish import report_outputs, save_final, write_recipe
     from .hf_sft import use_chat_template
 
+    from .hf_sharded import loads_sharded
+
     shape = check_reward_data(options, folder)
-    model, tokenizer, head = load_reward_model(folder, options.from_scratch)
+    model, tokenizer, head = load_reward_model(folder, options.from_scratch,
+                                               sharded=loads_sharded(training_args))
     use_chat_template(tokenizer, options.chat_template)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     if options.lora_r:
         model = add_reward_lora(model, options)
-    train, validation, stats = load_reward_pairs(options, tokenizer, block_size)
+    train, validation, stats = load_reward_pairs(
+        options, tokenizer, block_size, tokenizer_folder=folder,
+        cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache")
     config = RewardConfig(**dataclasses.asdict(training_args), max_length=block_size,
                           center_rewards_coefficient=options.center_rewards_coefficient)
     trainer = RewardTrainer(model, config, train_dataset=train, eval_dataset=validation,
                             processing_class=tokenizer, accelerator_config=accelerator_config)
     if trainer.group.is_main:
         print(_header(trainer, model, options, shape, head, stats, len(train),
-                      len(validation or ()), block_size))
+                      len(validation or ()), block_size), end="")
     output = trainer.train()
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
     if not trainer.group.is_main:
@@ -90,10 +99,12 @@ def check_reward_data(options, folder: Path) -> str:
     return pair_shape(columns)
 
 
-def load_reward_model(folder: Path, from_scratch: bool = False):
+def load_reward_model(folder: Path, from_scratch: bool = False, sharded: bool = False):
     """(sequence classifier with num_labels=1 in float32, tokenizer, how its score head came to
     be) from `folder`, offline. A head the folder does not hold (a causal LM's folder, or a
-    classifier of more labels) is drawn anew, and said so."""
+    classifier of more labels) is drawn anew, and said so. `sharded` (fsdp across processes):
+    built on the meta device, each rank reading its own shards (hf_sharded.py; the head drawn
+    as from_pretrained draws it), unless the folder's tensors do not map onto it."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
     import torch
     import transformers
@@ -108,10 +119,11 @@ def load_reward_model(folder: Path, from_scratch: bool = False):
     try:
         if from_scratch:
             return auto.from_config(config, dtype=torch.float32), tokenizer, "random weights"
-        with _quiet_load_report(transformers):  # it lists the head we know is new: said below
-            model, info = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
-                                               local_files_only=True, ignore_mismatched_sizes=True,
-                                               output_loading_info=True)
+        if sharded and (model := meta_model(folder, config, "--model", auto,
+                                            new_heads=True)) is not None:
+            drawn = [name for name, param in model.named_parameters() if not param.is_meta]
+        else:
+            model, drawn = _load_whole(auto, folder, config, transformers)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"--model {folder} cannot be loaded as a sequence classifier: "
                          f"{first_line(exc)}") from None
@@ -120,12 +132,23 @@ def load_reward_model(folder: Path, from_scratch: bool = False):
         raise InputError(f"--model {folder}: its tokenizer has {len(tokenizer)} tokens and the "
                          f"model embeds {rows}: resize the embeddings to the tokenizer and save "
                          "the folder again")
-    drawn = sorted({*info.get("missing_keys", ()),
-                    *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))})
     architectures = getattr(config, "architectures", None) or ["?"]
     head = (f"a new score head ({', '.join(drawn)}: not in the folder, which holds "
             f"{architectures[0]}), drawn from --seed" if drawn else "the folder's own score head")
     return model, tokenizer, head
+
+
+def _load_whole(auto, folder: Path, config, transformers):
+    """(model, names of the weights drawn) by from_pretrained, its report of them kept quiet."""
+    import torch
+
+    with _quiet_load_report(transformers):  # it lists the head we know is new: said by the caller
+        model, info = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
+                                           local_files_only=True, ignore_mismatched_sizes=True,
+                                           output_loading_info=True)
+    drawn = sorted({*info.get("missing_keys", ()),
+                    *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))})
+    return model, drawn
 
 
 @contextlib.contextmanager
@@ -153,58 +176,112 @@ def add_reward_lora(model, options):
                              lora_alpha=options.lora_alpha or 2 * options.lora_r,
                              lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
                              target_modules=targets)
+    import torch
+
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import draw_adapters
+
+    rng_state = torch.random.get_rng_state()  # what the adapters are drawn from
     try:
         with warnings.catch_warnings():  # PEFT reads a name transformers 5 deprecates: not the user's
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:
         raise InputError(f"LoRA cannot wrap {type(model).__name__}: {first_line(exc)} (name its "
                          "layers with --lora-target-modules)") from None
+    if on_meta(model):  # fsdp's sharded loading: the adapters are drawn on the CPU (hf_sharded.py)
+        draw_adapters(wrapped, rng_state)
+    return wrapped
 
 
-def load_reward_pairs(options, tokenizer, block_size: int):
-    """(training pairs, validation pairs or None, RewardStats of every split)."""
-    from ..training.reward import RewardStats, encode_reward_pairs
+def load_reward_pairs(options, tokenizer, block_size: int, *, cache_dir=None, tokenizer_folder=None):
+    """(training pairs, validation pairs or None, RewardStats of every split), split as DPO's
+    are and cached the same way, once per node (hf_dpo.load_pairs)."""
+    from ..training.reward import RewardStats
+    from .hf_dpo import PairForm, load_pairs
 
-    path, percentage = options.dataset, options.validation_split_percentage
-    pairs, stats = encode_reward_pairs(hf_data.records(path, hf_data.TRAIN_SPLIT), tokenizer, block_size)
-    held = None
-    if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
-        held, more = encode_reward_pairs(hf_data.records(path, hf_data.VALIDATION_SPLIT), tokenizer,
-                                         block_size)
-        stats = RewardStats(*(getattr(stats, f.name) + getattr(more, f.name)
-                              for f in dataclasses.fields(RewardStats)))
-    elif percentage > 0:
-        count = max(1, int(len(pairs) * percentage / 100))
-        if count >= len(pairs):
-            raise InputError(f"--dataset {path} has {len(pairs)} pair(s), too few to hold "
-                             f"{percentage:g}% out for validation: give more rows, or "
-                             "--validation-split-percentage 0")
-        pairs, held = pairs[:-count], pairs[-count:]
-    if not pairs:
-        raise InputError(f"--dataset {path}: no pair is left to train on (every one is longer "
-                         f"than --block-size {block_size} tokens)")
-    return pairs, held or None, stats
+    form = PairForm("reward", encode_reward_part, (tokenizer, block_size), RewardPairs.join,
+                    _read_reward_pairs, _write_reward_pairs, RewardStats, [],
+                    f"every one is longer than --block-size {block_size} tokens")
+    return load_pairs(options, tokenizer, block_size, cache_dir=cache_dir,
+                      tokenizer_folder=tokenizer_folder, form=form)
+
+
+class RewardPairs(list):
+    """Encoded reward pairs (dicts of chosen_ids, rejected_ids and maybe margin), with the
+    take(start, stop) that hf_dpo.load_pairs splits by."""
+
+    def take(self, start: int, stop: int) -> RewardPairs:
+        return RewardPairs(self[start:stop])
+
+    @classmethod
+    def join(cls, parts: list[list[dict]]) -> RewardPairs:
+        """The pairs of every part, in order; every pair has a margin or none does."""
+        pairs = cls(pair for part in parts for pair in part)
+        if len({"margin" in pair for pair in pairs}) > 1:
+            raise InputError("some rows have a 'margin' and others have none: give every row a "
+                             "margin, or none")
+        return pairs
+
+
+def encode_reward_part(context, rows: list):
+    """The pairs of some (where, row) and their RewardStats: one tokenizing process's work."""
+    from ..training.reward import encode_reward_pairs
+
+    tokenizer, block_size = context
+    pairs, stats = encode_reward_pairs(rows, tokenizer, block_size)
+    return RewardPairs(pairs), stats
+
+
+REWARD_ARRAYS = ("chosen_ids", "chosen_ids.offsets", "rejected_ids", "rejected_ids.offsets",
+                 "margin", "stats")
+
+
+def _write_reward_pairs(folder: Path, made) -> None:
+    import numpy as np
+
+    from ..data.token_store import Ragged, write_arrays
+
+    pairs, stats = made
+    arrays = {}
+    for key in ("chosen_ids", "rejected_ids"):
+        arrays |= Ragged.of([pair[key] for pair in pairs]).arrays(key)
+    margins = [pair["margin"] for pair in pairs if "margin" in pair]  # all of them, or none
+    arrays["margin"] = np.asarray(margins, dtype=np.float64)
+    arrays["stats"] = np.asarray([getattr(stats, f.name) for f in dataclasses.fields(stats)],
+                                 dtype=np.int64)
+    write_arrays(folder, arrays)
+
+
+def _read_reward_pairs(folder: Path):
+    """(RewardPairs, RewardStats) from the cache, or None when it is missing or damaged."""
+    from ..data.token_store import Ragged, read_arrays
+    from ..training.reward import RewardStats
+
+    arrays = read_arrays(folder, REWARD_ARRAYS)
+    if arrays is None or arrays["stats"].shape != (len(dataclasses.fields(RewardStats)),):
+        return None
+    chosen, rejected = (Ragged.read(arrays, key) for key in ("chosen_ids", "rejected_ids"))
+    margins = arrays["margin"]
+    if len(chosen) != len(rejected) or len(margins) not in (0, len(chosen)):
+        return None
+    pairs = RewardPairs({"chosen_ids": chosen[i].tolist(), "rejected_ids": rejected[i].tolist()}
+                        | ({"margin": float(margins[i])} if len(margins) else {})
+                        for i in range(len(chosen)))
+    return pairs, RewardStats(*map(int, arrays["stats"]))
 
 
 def _header(trainer, model, options, shape: str, head: str, stats, train: int, held: int,
             block_size: int) -> str:
-    from .finish import kernels_line
+    from .hf_dpo import pairs_header
 
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    name = type(model.get_base_model() if options.lora_r else model).__name__
-    name += f" + LoRA r={options.lora_r}" if options.lora_r else ""
     margin = " - margin" if trainer.train_dataset and "margin" in trainer.train_dataset[0] else ""
     center = options.center_rewards_coefficient
     centering = f" + {center:g} * (r_chosen + r_rejected)^2" if center is not None else ""
-    return (f"hputrain: {name}, {trainable:,} of {total:,} parameters trainable, on "
-            f"{trainer.accelerator.name} in "
-            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}\n"
-            f"hputrain: method: {SHAPES[shape]}; score: {head}\n"
-            f"hputrain: loss -log sigmoid(r_chosen - r_rejected{margin}){centering}\n"
-            f"hputrain: {stats.rows} rows, {train} training and {held} validation pairs, "
-            f"{stats.too_long} left out (longer than --block-size {block_size})")
+    return pairs_header(trainer, model, options, f"{SHAPES[shape]}; score: {head}",
+                        f"loss -log sigmoid(r_chosen - r_rejected{margin}){centering}",
+                        f"{stats.rows} rows, {train} training and {held} validation pairs, "
+                        f"{stats.too_long} left out (longer than --block-size {block_size})")
 
 
 def _load_line(model, final: Path, options) -> str:

@@ -7,7 +7,9 @@ folder's safetensors files. The weights equal `from_pretrained(dtype=float32)`'s
 LoRA adapters, small, are drawn on the CPU as PEFT draws them for an eagerly loaded model (see
 `draw_adapters`). A folder whose tensors do not map onto the model's parameters one to one
 falls back to `from_pretrained` on every rank, with one line saying why. One process, and every
-other strategy, loads as before (recipes/hf.py `_load_folder`).
+other strategy, loads as before (recipes/hf.py `_load_folder`). The reward recipe's sequence
+classifier loads the same way, its score head drawn when the folder is a causal LM's (`meta_model`'s
+new_heads).
 """
 from __future__ import annotations
 
@@ -44,19 +46,30 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
-def meta_model(folder: Path, config, flag: str):
-    """The causal LM of `folder` on the meta device carrying its FolderWeights, made as
-    from_pretrained makes it (float32, eval mode, its path as name_or_path, its generation
-    config); None, after one line on the main rank, when the folder's tensors do not map onto
-    its parameters (the caller then loads it whole)."""
+def meta_model(folder: Path, config, flag: str, auto=None, *, new_heads: bool = False):
+    """The model of `folder` (`auto`'s class of it: AutoModelForCausalLM unless given) on the
+    meta device carrying its FolderWeights, made as from_pretrained makes it (float32, eval mode,
+    its path as name_or_path, its generation config); None, after one line on the main rank,
+    when the folder's tensors do not map onto its parameters (the caller then loads it whole).
+
+    `new_heads` (a sequence classifier from a causal LM's folder): a top-level module none of
+    whose weights the folder holds (the score head, width × labels: small) is drawn here, on the
+    CPU, by the model's own initialisation, which is the one draw from_pretrained makes for it
+    (the same values under the same seed); the folder fills the rest, and fsdp's materialise
+    keeps a real tensor's values."""
     import transformers
 
-    from ..checkpoint.hf_weights import FolderWeights
+    from ..checkpoint.hf_weights import FolderWeights, safetensors_files
     from ..distributed.fsdp import set_weight_source
 
+    auto = auto or transformers.AutoModelForCausalLM
     with parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    source = FolderWeights.match(folder, model)
+        model = auto.from_config(config, dtype=torch.float32)
+    files = safetensors_files(folder)
+    heads = [name for name, child in model.named_children() if new_heads and not isinstance(files, str)
+             and not any(f"{name}.{p}" in files for p, _ in child.named_parameters())]
+    with _detached(model, heads):  # matched without the heads the folder lacks
+        source = FolderWeights.match(folder, model)
     if isinstance(source, str):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"hputrain: {flag} {folder}: every rank loads the whole model, the folder's "
@@ -68,7 +81,24 @@ def meta_model(folder: Path, config, flag: str):
     if (folder / "generation_config.json").is_file():
         with contextlib.suppress(OSError, ValueError):
             model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    for name in heads:
+        head = model.get_submodule(name)
+        head.to_empty(device="cpu")
+        model._init_weights(head)  # transformers' own initialisation of a weight it did not load
     return set_weight_source(model.eval(), source)
+
+
+@contextlib.contextmanager
+def _detached(model, names: list[str]):
+    """The model's top-level modules `names` taken out for the block, then put back in order."""
+    children = dict(model._modules)
+    for name in names:
+        del model._modules[name]
+    try:
+        yield
+    finally:
+        model._modules.clear()
+        model._modules.update(children)
 
 
 def draw_adapters(model, rng_state: torch.Tensor) -> None:
@@ -118,3 +148,4 @@ def _check_adapters(model) -> None:
     if left:
         raise InputError(f"{left[0]}: these adapters cannot be loaded with fsdp's sharded loading "
                          "(only LoRA on linear layers can)")
+

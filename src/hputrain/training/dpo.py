@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from ..config.preference import DPOConfig
 from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
+from ..distributed.fsdp import reshard
 from ..errors import InputError
-from .loss import IGNORE_INDEX
 from .logps import shifted_labels, token_logps
-from .objective import Objective
+from .loss import IGNORE_INDEX
+from .objective import Objective, adapters_disabled
 from .trainer import Trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -102,12 +103,6 @@ class PreferenceObjective(Objective):
         if loop.group.cp_size > 1:
             raise InputError("DPO under context parallelism is not supported: "
                              "set context_parallel_size=1")
-        if self.config.precompute_ref_log_probs and self.adapters is not None and loop.sharded:
-            # found by the pairwise table: the adapter-disabled passes before training leave the
-            # sharded policy's first training step with gradients FSDP2 cannot take (torch 2.13)
-            raise InputError("precompute_ref_log_probs with LoRA under strategy='fsdp' is not "
-                             "supported: leave it out (under LoRA the reference is the "
-                             "adapter-disabled base, which costs no memory)")
         if self.reference is not None:
             self.reference = loop.place_frozen(self.reference)
 
@@ -131,17 +126,12 @@ class PreferenceObjective(Objective):
 
     def compute_loss(self, module, batch) -> torch.Tensor:
         """The DPO loss of a batch: the mean over its pairs."""
-        # The reference first: its logits are freed before the policy's forward keeps its own.
-        # Not the adapter-disabled policy under fsdp: a no-grad forward of the sharded policy
-        # followed by the training one gives its float32 parameters bf16 gradients (FSDP2 with
-        # mixed precision, torch 2.13); there the policy goes first, as in TRL.
+        # The reference first: its logits are freed before the policy's forward keeps its own
+        # (the adapter-disabled policy under fsdp too: see adapters_disabled).
         ref_logps = batch.get("ref_logps")
-        policy_first = ref_logps is None and self.adapters is not None and self.loop.sharded
-        logps = self._logps(module, batch) if policy_first else None
         if ref_logps is None:
             ref_logps = self.reference_logps(module, batch)
-        if logps is None:
-            logps = self._logps(module, batch)
+        logps = self._logps(module, batch)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.to(logps.dtype).chunk(2)
         tokens = batch["completion_mask"].sum(dim=1).chunk(2)
@@ -163,7 +153,7 @@ class PreferenceObjective(Objective):
         with torch.no_grad():
             if self.reference is not None:
                 return self._logps(self.reference, batch)
-            with self.adapters.disable_adapter():
+            with adapters_disabled(self.adapters):
                 return self._logps(module, batch)
 
     def _logps(self, module, batch) -> torch.Tensor:
@@ -251,6 +241,11 @@ class PreferenceObjective(Objective):
                 values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
         finally:
             loop.model.train()
+            if loop.sharded:
+                # the root and the last block keep their gathered weights from a forward to its
+                # backward (distributed/fsdp.py); with no backward here they would stay in place
+                # of the shards that the optimizer, built next, must hold
+                reshard(loop.model)
         return np.concatenate(values).astype(np.float64)
 
     def _cache_key(self, pairs: list[dict]) -> str:

@@ -31,7 +31,7 @@ from .grpo_eval import EvalPlan, EvalRollouts, first_batch
 from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
                         reward_metrics)
 from .logps import token_logps
-from .objective import Objective
+from .objective import Objective, adapters_disabled
 from .rewards import CompletionsLog, RewardFunctions, completion_for, conversational
 from .rollout import Layout, Rollouts
 from .trainer import Trainer
@@ -275,7 +275,7 @@ class GRPOObjective(Objective):
             if self.reference is not None:
                 batch["ref_logps"] = self._no_grad_logps(self.reference, batch)
             else:
-                with self.adapters.disable_adapter():
+                with adapters_disabled(self.adapters):
                     batch["ref_logps"] = self._no_grad_logps(loop.module, batch)
 
     def _no_grad_logps(self, module, batch: dict) -> torch.Tensor:

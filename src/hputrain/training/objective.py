@@ -113,3 +113,21 @@ class Objective:
             yield
         finally:
             self.counting = True
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """PEFT's `disable_adapter()` with every parameter's requires_grad left as it was. PEFT clears
+    it on the adapters for the duration, but FSDP2 reads it at its first forward to choose the
+    dtype of the gradients it reduces and hands back (a group with nothing trainable: none, so
+    bf16 under mixed precision): a reference forward that comes first (a precomputed reference,
+    or step 1's) would leave the float32 LoRA weights with bf16 gradients FSDP2 then refuses."""
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    try:
+        with model.disable_adapter():
+            for param, flag in flags:
+                param.requires_grad_(flag)
+            yield
+    finally:  # PEFT's way back sets the active adapter's flags: the same ones, kept exact
+        for param, flag in flags:
+            param.requires_grad_(flag)
