@@ -495,8 +495,8 @@ def _error_lines(err: str) -> set[str]:
     return said
 
 
-# Each refusal that needs real processes starts two (~15 s): make test keeps two of them.
-SLOW_REFUSALS = ("lazy+fsdp2", "fsdp2+context_parallel", "packed_sft+context_parallel")
+# Each refusal that needs real processes starts two (~12 s): make test keeps one of them.
+SLOW_REFUSALS = ("lazy+fsdp2", "fsdp2+context_parallel", "packed_sft+context_parallel", "dpo+context_parallel")
 
 
 @pytest.mark.parametrize("refusal", [pytest.param(r, marks=pytest.mark.slow) if r.name in SLOW_REFUSALS

@@ -124,6 +124,7 @@ def test_train_command_with_devices(tmp_path):
     assert proc.stdout.count("checkpoint:") == 1  # rank 0 alone reports
 
 
+@pytest.mark.slow  # make test: the pairwise table's refusals in the ranks (lazy+ddp2) check every rank's line
 def test_train_command_with_devices_passes_bad_input_on(tmp_path):
     """Each relaunched rank finds the bad input (one line, exit 2): so does the command."""
     corpus = tmp_path / "corpus"

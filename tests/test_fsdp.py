@@ -278,8 +278,7 @@ def test_gaudi_runs_fsdp_in_eager_mode_on_hccl_and_refuses_lazy(fake_hpu):
     assert fake_hpu.import_env["PT_HPU_LAZY_MODE"] == "0"  # set before the runtime's import
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # make test: the pairwise table's fsdp2 cases run the command, validate, save and resume
 def test_train_command_with_fsdp_evaluates_saves_and_resumes(tmp_path):
     """The built-in recipe under fsdp at 2 processes: ranks with unequal evaluation batches stay in
     step, every rank samples at the end, the sharded checkpoint resumes and exports."""

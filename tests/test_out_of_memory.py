@@ -155,8 +155,7 @@ def _lines(err: str) -> list[str]:
     return re.findall(r"hputrain: error: out of memory.*?--resume-from-checkpoint latest", err)
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # make test: the one-process line and its plan (above)
 def test_under_2_process_fsdp_rank_0s_line_carries_the_plan(corpus, tmp_path):
     status, err, seconds = launch_out_of_memory(tmp_path, corpus, _env(), timeout=240)
     assert status == 2, err[-3000:]
