@@ -217,3 +217,12 @@ def test_from_the_command_line_with_a_validation_split(folder, tmp_path, capsys)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("hputrain: error")]
     assert status == 2 and len(lines) == 1 and "num_generations_eval (3)" in lines[0], err[-1500:]
+
+
+def test_a_validation_share_holds_out_the_last_rows_and_never_all():
+    from hputrain.errors import InputError
+    from hputrain.recipes.hf_common import held_out
+
+    assert [held_out(n, 25, "p.jsonl", "prompt") for n in (2, 4, 9, 40)] == [1, 1, 2, 10]
+    with pytest.raises(InputError, match=r"--dataset p.jsonl has 1 prompt\(s\), too few to hold 5% out"):
+        held_out(1, 5, "p.jsonl", "prompt")

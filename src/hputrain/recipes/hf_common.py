@@ -57,3 +57,13 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
+
+
+def held_out(total: int, percentage: float, path, what: str) -> int:
+    """How many of a data set's `total` rows (the last ones) `--validation-split-percentage`
+    holds out for validation: at least one, and never all (`what`: "prompt", "pair" in the line)."""
+    count = max(1, int(total * percentage / 100))
+    if count >= total:
+        raise InputError(f"--dataset {path} has {total} {what}(s), too few to hold {percentage:g}% "
+                         "out for validation: give more rows, or --validation-split-percentage 0")
+    return count

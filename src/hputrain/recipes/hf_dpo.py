@@ -24,7 +24,7 @@ from ..data.preference import PAIR_KEYS, EncodedPairs, PairStats, encode_part, p
 from ..data.token_store import Ragged
 from ..errors import InputError
 from . import hf_data
-from .hf_common import model_line
+from .hf_common import held_out, model_line
 
 CACHE_VERSION = 1
 
@@ -114,11 +114,7 @@ def load_pairs(options, tokenizer, block_size: int, *, cache_dir: str | Path | N
         held, more = _encoded_pairs(*read, hf_data.VALIDATION_SPLIT)
         stats = _summed(form.stats, [stats, more])
     elif percentage > 0:
-        count = max(1, int(len(pairs) * percentage / 100))
-        if count >= len(pairs):
-            raise InputError(f"--dataset {path} has {len(pairs)} pair(s), too few to hold "
-                             f"{percentage:g}% out for validation: give more rows, or "
-                             "--validation-split-percentage 0")
+        count = held_out(len(pairs), percentage, path, "pair")
         pairs, held = pairs.take(0, len(pairs) - count), pairs.take(len(pairs) - count, len(pairs))
     else:
         held = None

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..config.grpo import GRPOConfig, grpo_values
 from ..errors import InputError
 from . import hf_data
+from .hf_common import held_out
 
 
 def run_grpo(options, training_args, accelerator_config, folder: Path, model, tokenizer,
@@ -61,11 +62,7 @@ def load_prompts(options) -> tuple[list[dict], list[dict] | None]:
     if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
         held = [row for _, row in hf_data.records(path, hf_data.VALIDATION_SPLIT)]
     elif percentage > 0:
-        count = max(1, int(len(rows) * percentage / 100))
-        if count >= len(rows):
-            raise InputError(f"--dataset {path} has {len(rows)} prompt(s), too few to hold "
-                             f"{percentage:g}% out for validation: give more rows, or "
-                             "--validation-split-percentage 0")
+        count = held_out(len(rows), percentage, path, "prompt")
         rows, held = rows[:-count], rows[-count:]
     else:
         held = None
