@@ -348,6 +348,8 @@ PROBES = {
     "bitwise_not": lambda x, m: ~m,
     "logical_and.out": lambda x, m: m.logical_and(m),
     "lerp.Scalar": lambda x, m: x.lerp(x * 2, 0.5),
+    "amax": lambda x, m: x.amax(dim=-1),
+    "amin": lambda x, m: x.amin(dim=-1),
 }
 
 

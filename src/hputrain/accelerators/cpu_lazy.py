@@ -45,6 +45,8 @@ BACKEND_FALLBACKS = {
     "bitwise_not": "`~tensor` has no lazy kernel",
     "logical_and.out": "logical_and has no lazy kernel (`&` on booleans has one); GRPO's masks meet it",
     "lerp.Scalar": "lerp has no lazy kernel: torch.optim.Adam and AdamW call it every step",
+    "amax": "amax has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
+    "amin": "amin has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
 }
 
 

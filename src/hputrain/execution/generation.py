@@ -236,8 +236,7 @@ class DecodeStep(torch.nn.Module):
         if implementation not in BOOLEAN_MASKS + ("eager",):
             raise InputError(f"static generation needs attention implementation sdpa or eager "
                              f"(it makes the 4-D mask itself); the model uses {implementation!r}")
-        self.additive = implementation == "eager"
-        self.mask_dtype = getattr(inner, "dtype", torch.float32)
+        self.additive, self.mask_dtype = mask_kind(model)
         self.cache.allocate(inner.config, rows, self.mask_dtype, _device(model))
         names = _forward_parameters(inner)
         self.cache_name = "cache" if "cache" in names else "past_key_values"  # 5.x renamed it
@@ -255,18 +254,33 @@ class DecodeStep(torch.nn.Module):
         return output.logits[:, -1].float()
 
     def _mask(self, cache_position: torch.Tensor) -> torch.Tensor:
-        """(B, 1, q, length): a query sees the prompt's tokens and the columns up to its own, and
-        itself always (a padding query with nothing to see would make softmax NaN)."""
-        columns = torch.arange(self.length, device=cache_position.device)
-        causal = columns[None, :] <= cache_position[:, None]
-        itself = columns[None, :] == cache_position[:, None]
-        allowed = (self.keys_valid[:, None, None, :] & causal) | itself
-        if not self.additive:
-            return allowed
-        dtype = self.mask_dtype
-        blocked = allowed.eq(False)
-        return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(
-            blocked, torch.finfo(dtype).min)
+        return attention_mask(self.keys_valid, cache_position, self.additive, self.mask_dtype)
+
+
+def mask_kind(model) -> tuple[bool, torch.dtype]:
+    """(additive, dtype) of the 4-D mask `model`'s attention takes: eager's is additive in the
+    model's dtype; sdpa's and hputrain's kernel's are boolean."""
+    inner = base_model(model)
+    implementation = getattr(inner.config, "_attn_implementation", None) or "eager"
+    return implementation == "eager", getattr(inner, "dtype", torch.float32)
+
+
+def attention_mask(keys_valid: torch.Tensor, positions: torch.Tensor, additive: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, q, K), made on the device: the query at each of `positions` (q of the K columns)
+    sees the valid keys (`keys_valid`, (B, K)) up to its own column, and itself always (a padding
+    query with nothing to see would make softmax NaN). Given 4-D, transformers uses it as it is:
+    it reads no 2-D mask back to the host to see whether it may skip it (a graph break in lazy
+    mode)."""
+    columns = torch.arange(keys_valid.shape[1], device=positions.device)
+    causal = columns[None, :] <= positions[:, None]
+    itself = columns[None, :] == positions[:, None]
+    allowed = (keys_valid.bool()[:, None, None, :] & causal) | itself
+    if not additive:
+        return allowed
+    blocked = allowed.eq(False)
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(
+        blocked, torch.finfo(dtype).min)
 
 
 def _forward_parameters(model) -> set[str]:

@@ -43,7 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..accelerators.cpu_lazy import HostReads, LazyBackendGaps, lazy_counters
-from .findings import DoctorFinished, Rehearsal, RunShapes, diagnose, random_state_kept
+from .findings import DoctorFinished, Rehearsal, RunShapes, diagnose, mask_layout, random_state_kept
 from .shapes import batch_shapes, take_census
 
 _TORCH_PATCHED = (("torch", "gather"), ("torch.Tensor", "gather"), ("torch", "take_along_dim"),
@@ -261,7 +261,7 @@ class _HFWatch:
             "fallbacks": {k[6:]: v for k, v in new.items()
                           if k.startswith("aten::") and k != "aten::_local_scalar_dense"},
             "shapes": batch_shapes(self._inputs),
-            "attention_mask": _mask_layout(self._inputs),
+            "attention_mask": mask_layout(self._inputs),
         })
         if len(self.records) >= self.rehearsal.steps:
             raise DoctorFinished
@@ -277,17 +277,6 @@ def _unfuse(optimizer) -> bool:
         group["fused"] = False
     inner.defaults["fused"] = False
     return True
-
-
-def _mask_layout(batch) -> str | None:
-    """As doctor._mask_layout: "all ones", "right padded", "other" or None; read between steps."""
-    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return None
-    mask = mask.cpu()
-    if bool(mask.all()):
-        return "all ones"
-    return "right padded" if bool((mask[:, 1:] <= mask[:, :-1]).all()) else "other"
 
 
 # -- the run's batches ------------------------------------------------------------------------------

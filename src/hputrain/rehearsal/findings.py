@@ -15,6 +15,7 @@ import os
 import random
 import sysconfig
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +89,28 @@ class RunShapes:
     fix: str | None = None
     """How to pad to a few lengths, in the words of the script's own trainer (doctor_hf.py words
     it in transformers' arguments); None: in hputrain's TrainingArguments (shape_fix)."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the doctor knows about this batch source, for the report's notes (GRPO's shapes)."""
+    between_steps: str | None = None
+    """What the run does between steps that builds graphs of its own (GRPO: "the rollouts"); when
+    set, the graphs compiled between steps are counted and noted too."""
 
     def as_dict(self) -> dict:
         if self.census is None:
             return {"skipped": self.skipped}
         return {**self.census.as_dict(), "walked": self.walked, "collator": self.collator}
+
+def mask_layout(batch) -> str | None:
+    """"all ones", "right padded" (each row ones, then zeros), "other", or None (no mask). Read
+    between steps, so it is not counted as the step's host sync."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    mask = mask.cpu()
+    if bool(mask.all()):
+        return "all ones"
+    return "right padded" if bool((mask[:, 1:] <= mask[:, :-1]).all()) else "other"
+
 
 @contextlib.contextmanager
 def random_state_kept():
@@ -133,10 +151,12 @@ def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes 
     census = run.census if run is not None else None
     fallback_ops, backend_gaps = _fallback_ops(records)
     findings = [*_recompilation(records, warmup, shapes, judge_growth=census is None),
-                *_unbounded_shapes(run, shapes), *_host_syncs(records, reads),
+                *_unbounded_shapes(run, shapes), *_host_syncs(records, reads, run),
                 *_fallbacks(fallback_ops, _fallback_sites(records))]
-    notes = [*_run_shapes_notes(run), *_bounded_shapes(shapes, run, findings), *_left_out(backend_gaps)]
+    notes = [*_run_shapes_notes(run), *_bounded_shapes(shapes, run, findings),
+             *_between_steps(records, warmup, run), *_left_out(backend_gaps)]
     return {"steps": len(records), "compiles_per_step": [r["compiles"] for r in records],
+            "compiles_between_steps": [r.get("compiles_between", 0) for r in records],
             "host_syncs_per_step": [r["host_syncs"] for r in records], "shapes": shapes,
             "run_shapes": None if run is None else run.as_dict(),
             "fallback_ops": fallback_ops, "backend_gaps_left_out": backend_gaps,
@@ -246,12 +266,12 @@ def _run_shapes_notes(run: RunShapes | None) -> list[str]:
     if run is None:
         return []
     if run.census is None:
-        return [f"the run's batches were not walked ahead ({run.skipped}): their shapes are "
+        return [*run.notes, f"the run's batches were not walked ahead ({run.skipped}): their shapes are "
                 "judged from the steps watched only"]
     census = run.census
     if not census.lower_bound:
-        return []
-    return [f"the run's shape count ({len(census.shapes)}) is a lower bound: the walk over its "
+        return list(run.notes)
+    return [*run.notes, f"the run's shape count ({len(census.shapes)}) is a lower bound: the walk over its "
             f"batches stopped after {census.batches} of {census.planned} micro-batches, at "
             f"{census.stopped}"]
 
@@ -275,13 +295,25 @@ def _bounded_shapes(shapes: dict, run: RunShapes | None, findings: list[dict]) -
             f"Shapes: {census.listing()}"]
 
 
-def _host_syncs(records: list[dict], reads: HostReads) -> list[dict]:
+def _between_steps(records: list[dict], warmup: int, run: RunShapes | None) -> list[str]:
+    """Graphs compiled between steps (before each watched step, since the previous one), where
+    the run builds graphs there by design (`between_steps`: GRPO's rollouts)."""
+    if run is None or run.between_steps is None:
+        return []
+    between = [r.get("compiles_between", 0) for r in records]
+    late = [r["step"] for r in records[warmup:] if r.get("compiles_between")]
+    verdict = (f"none after the {warmup} warm-up step(s)" if not late else
+               f"{sum(between[warmup:])} after the warm-up, before steps {late}")
+    return [f"graphs compiled between steps, by {run.between_steps}: {between} ({verdict})"]
+
+
+def _host_syncs(records: list[dict], reads: HostReads, run: RunShapes | None = None) -> list[dict]:
     per_step = [r["host_syncs"] for r in records]
     if not any(per_step):
         return []
     by_fix: dict[str, list[str]] = {}
     for site, n in sorted(reads.where.items(), key=lambda item: str(item[0])):
-        by_fix.setdefault(_known_fix(site, records), []).append(f"{_describe(site)} ({n}x)")
+        by_fix.setdefault(_known_fix(site, records, run), []).append(f"{_describe(site)} ({n}x)")
     parts = [f"{', '.join(places)}: {fix}" for fix, places in by_fix.items()]
     return [{"kind": "host_sync", "message": (
         f"values read back to the host inside the step, {max(per_step)} per step. Each read cuts "
@@ -294,13 +326,21 @@ def _describe(site: SyncSite) -> str:
     return f"{site.read} in {site.library} ({site.function}), called from {site.user}"
 
 
+_GRPO_MASK_READ = (
+    "transformers reads the attention_mask in each training forward to see whether it can skip "
+    "it. GRPO's rows are left-padded prompts followed by completions, so the mask matters and "
+    "cannot be left out; the forward is hputrain's own GRPO step (training/grpo.py hands the model "
+    "the 2-D mask), not a line of your script: the fix is for hputrain to hand the model a 4-D "
+    "mask built on the device, as its generation does, so that transformers builds none.")
 _GENERIC_FIX = "keep values on the device and read them at logging steps."
 
 
-def _known_fix(site: SyncSite, records: list[dict]) -> str:
+def _known_fix(site: SyncSite, records: list[dict], run: RunShapes | None = None) -> str:
     """The concrete fix for a read whose cause is known, else the general advice."""
     if site.library and site.library.startswith("transformers/masking_utils.py"):
         layouts = {r["attention_mask"] for r in records}
+        if run is not None and run.collator == "rollouts":
+            return _GRPO_MASK_READ
         if layouts == {"all ones"}:
             return ("transformers reads the attention_mask each step to see whether it can skip "
                     "it, and the batches' attention_mask is all ones: leave attention_mask out of "

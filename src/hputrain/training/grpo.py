@@ -26,7 +26,7 @@ import torch
 
 from ..config.grpo import GRPOConfig, generation_layout
 from ..errors import InputError
-from ..execution.generation import Sampling, StaticGenerator, completion_mask
+from ..execution.generation import Sampling, StaticGenerator, attention_mask, completion_mask, mask_kind
 from .grpo_eval import EvalPlan, EvalRollouts, first_batch
 from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
                         reward_metrics)
@@ -122,6 +122,7 @@ class GRPOObjective(Objective):
         self.config, self.rows, self.tokenizer = config, rows, tokenizer
         self.reward_funcs = reward_funcs
         self.reference, self.adapters = reference, adapters
+        self.mask_kind = None  # the training forward's 4-D mask (_logps), from the model at bind
         self.complete = complete  # a test's fixed completions: (generation, prompt ids) -> ids
         if config.temperature <= 0:
             raise InputError(f"GRPO samples its completions: temperature must be positive (log-probs "
@@ -163,6 +164,7 @@ class GRPOObjective(Objective):
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.pad = pad
+        self.mask_kind = mask_kind(loop.model)  # the training forward's 4-D mask (_logps)
         self.generator = StaticGenerator(loop.model, loop.accelerator,
                                          max_completion_length=cfg.max_completion_length,
                                          eos_token_ids=[eos], pad_token_id=pad,
@@ -357,9 +359,13 @@ class GRPOObjective(Objective):
         completion = batch["completion_mask"].shape[1]
         input_ids = batch["input_ids"]
         start = input_ids.shape[1] - completion - 1  # position t predicts token t + 1
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        labels[:, start:-1] = input_ids[:, start + 1:]
-        inputs = {"input_ids": input_ids, "attention_mask": batch["attention_mask"]}
+        ignored = input_ids.new_full((input_ids.shape[0], 1), IGNORE_INDEX)
+        # made whole, not written into a slice (a copy into a view runs eagerly in lazy mode)
+        labels = torch.cat([ignored.expand(-1, start), input_ids[:, start + 1:], ignored], dim=1)
+        # the 4-D mask transformers would make from the 2-D one, made here on the device
+        mask = attention_mask(batch["attention_mask"], torch.arange(input_ids.shape[1], device=input_ids.device),
+                              *(self.mask_kind or mask_kind(module)))
+        inputs = {"input_ids": input_ids, "attention_mask": mask}
         scored = token_logps(lambda m, x: self.loop.call_model(m, **x), module, inputs, labels,
                              temperature=self.config.temperature, entropy=entropy, start=start)
         logps = scored.logps[:, start:-1]
