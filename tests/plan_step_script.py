@@ -29,6 +29,21 @@ def measure(flags: list[str], output_dir: str):
     return measure_step(step, args, output_dir)
 
 
+def planned(flags: list[str]):
+    """The plan's trace of that step, in this process, for this machine (the cpu target)."""
+    from hputrain.accelerators import detect_accelerator
+    from hputrain.rehearsal.plan import trace_step
+
+    step, args = settings(flags)
+    return trace_step(step, args, detect_accelerator("cpu", "eager"))
+
+
+def measured(flags: list[str]):
+    """The same step measured in a real run, in this process (one rank)."""
+    with tempfile.TemporaryDirectory() as out:
+        return measure(flags, out)[0]
+
+
 def main(argv: list[str]) -> None:
     result, flags = argv[0], argv[1:]
     with tempfile.TemporaryDirectory() as out:

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from hputrain.accelerators import detect_accelerator
 from hputrain.cli import main
-from hputrain.rehearsal.plan import plan, trace_step
-from hputrain.rehearsal.plan_measure import measure_step
+from hputrain.rehearsal.plan import plan
 
 from .hf_fixtures import llama_config, on_cpu  # noqa: F401  (fixtures: llama, on_cpu)
-from .plan_step_script import settings
+from .plan_step_script import measured, planned, settings
 from .test_distributed import hputrain_launch
 
 transformers = pytest.importorskip("transformers")
@@ -44,18 +42,6 @@ def data(tmp_path_factory) -> Path:
 def llama_flags(llama: Path, *more: str) -> list[str]:
     return ["--model", str(llama), "--block-size", "128", "--per-device-train-batch-size", "2",
             *more]
-
-
-def planned(flags: list[str]):
-    step, args = settings(flags)
-    return trace_step(step, args, detect_accelerator("cpu", "eager"))
-
-
-def measured(flags: list[str]):
-    step, args = settings(flags)
-    with tempfile.TemporaryDirectory() as out:
-        trace, _ = measure_step(step, args, out)
-    return trace
 
 
 CASES = {

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from hputrain.accelerators import detect_accelerator
 from hputrain.cli import main
-from hputrain.rehearsal.plan import CATEGORIES, trace_step
+from hputrain.rehearsal.plan import CATEGORIES
 from hputrain.rehearsal.plan_grpo import KV_CACHE
-from hputrain.rehearsal.plan_measure import measure_step
 
 from .hf_fixtures import llama_config_folder
-from .plan_step_script import settings
+from .plan_step_script import measured, planned
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,18 +40,6 @@ def grpo_flags(llama: Path, *more: str) -> list[str]:
     return ["--model", str(llama), "--method", "grpo", "--per-device-train-batch-size", "4",
             "--num-generations", "4", "--max-completion-length", "64", "--prompt-buckets", "64",
             "--precision", "fp32", *more]
-
-
-def planned(flags: list[str]):
-    step, args = settings(flags)
-    return trace_step(step, args, detect_accelerator("cpu", "eager"))
-
-
-def measured(flags: list[str]):
-    step, args = settings(flags)
-    with tempfile.TemporaryDirectory() as out:
-        trace, _ = measure_step(step, args, out)
-    return trace
 
 
 @pytest.mark.parametrize("more, rows, dtype", [

@@ -9,20 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from hputrain import Trainer
-from hputrain.accelerators import detect_accelerator
 from hputrain.cli import main
-from hputrain.rehearsal.plan import trace_step
-from hputrain.rehearsal.plan_measure import measure_step
 
 from .hf_fixtures import llama_config_folder
-from .plan_step_script import settings
+from .plan_step_script import measured, planned, settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,18 +52,6 @@ def data(tmp_path_factory) -> Path:
 def sft_flags(llama: Path, *more: str) -> list[str]:
     return ["--model", str(llama), "--block-size", str(BLOCK), "--per-device-train-batch-size",
             str(ROWS), "--precision", "fp32", *more]
-
-
-def planned(flags: list[str]):
-    step, args = settings(flags)
-    return trace_step(step, args, detect_accelerator("cpu", "eager"))
-
-
-def measured(flags: list[str]):
-    step, args = settings(flags)
-    with tempfile.TemporaryDirectory() as out:
-        trace, _ = measure_step(step, args, out)
-    return trace
 
 
 def test_a_packed_run_plans_the_packed_blocks_it_trains_on(llama, data):

@@ -26,6 +26,10 @@ MEMORY_BYTES = {"gaudi2": 96 * GIB, "gaudi3": 128 * GIB}
 """Each Gaudi's HBM, as hl-smi reports it (98304 and 131072 MiB): the targets of `hputrain plan`."""
 DIST_BACKEND = "hccl"
 """Gaudi's collectives (registered by the runtime; `hputrain plan` names it without importing)."""
+DEVICE_TYPE = "hpu"
+"""torch's name of the Gaudi device (and of its module, torch.hpu)."""
+COMPILE_BACKEND = "hpu_backend"
+"""torch.compile's backend for Gaudi (registered by the runtime)."""
 # Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
 _TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
 _FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8
@@ -116,14 +120,14 @@ class HPUAccelerator(Accelerator):
     def setup(self, local_rank: int = 0) -> torch.device:
         self._runtime("habana_frameworks.torch.core")
         # One Gaudi is visible per process; the runtime maps it from the local rank.
-        return torch.device("hpu")
+        return torch.device(DEVICE_TYPE)
 
     def dist_backend(self) -> str:
         self._runtime("habana_frameworks.torch.distributed.hccl")  # registers "hccl"
         return DIST_BACKEND
 
     def compile_backend(self) -> str:
-        return "hpu_backend"
+        return COMPILE_BACKEND
 
     def mark_step(self) -> None:
         if self.lazy:

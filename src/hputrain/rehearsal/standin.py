@@ -45,11 +45,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..accelerators.hpu import COMPILE_BACKEND, DEVICE_TYPE, DIST_BACKEND
+
 NOT_COVERED = "hputrain's stand-in for habana_frameworks does not cover"
 """The start of every error raised for a part of habana_frameworks the stand-in lacks."""
 
 LAZY = torch.device("lazy")
-COMPILE_BACKEND = "hpu_backend"
 _DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -66,9 +67,9 @@ def real_gaudi_present() -> bool:
 
 def to_lazy(device):
     """`device` with the hpu device (a torch.device, "hpu", "hpu:0") replaced by the lazy one."""
-    if isinstance(device, str) and device.split(":")[0] == "hpu":
+    if isinstance(device, str) and device.split(":")[0] == DEVICE_TYPE:
         return LAZY
-    if isinstance(device, torch.device) and device.type == "hpu":
+    if isinstance(device, torch.device) and device.type == DEVICE_TYPE:
         return LAZY
     return device
 
@@ -133,10 +134,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def _register_torch_hpu(hpu: types.ModuleType) -> None:
     """torch.hpu, as the real runtime registers it on import of habana_frameworks.torch."""
-    if getattr(torch, "hpu", None) is not hpu:
-        if hasattr(torch, "hpu"):
-            delattr(torch, "hpu")
-        torch._register_device_module("hpu", hpu)
+    if getattr(torch, DEVICE_TYPE, None) is not hpu:
+        if hasattr(torch, DEVICE_TYPE):
+            delattr(torch, DEVICE_TYPE)
+        torch._register_device_module(DEVICE_TYPE, hpu)
 
 
 class StandIn:
@@ -219,7 +220,7 @@ class StandIn:
             module.__file__ = __file__  # a real file: "a namespace package" to whoever checks
         saved = {name: sys.modules[name] for name in list(sys.modules)
                  if name == "habana_frameworks" or name.startswith("habana_frameworks.")}
-        saved_hpu = torch.__dict__.get("hpu"), sys.modules.get("torch.hpu")
+        saved_hpu = torch.__dict__.get(DEVICE_TYPE), sys.modules.get(f"torch.{DEVICE_TYPE}")
         finder = _Finder(loader)
 
         def restore() -> None:
@@ -227,8 +228,8 @@ class StandIn:
             for name in [n for n in sys.modules if n == "habana_frameworks" or n.startswith("habana_frameworks.")]:
                 del sys.modules[name]
             sys.modules.update(saved)
-            _put_back(torch, "hpu", saved_hpu[0])
-            _put_back(sys.modules, "torch.hpu", saved_hpu[1])
+            _put_back(torch, DEVICE_TYPE, saved_hpu[0])
+            _put_back(sys.modules, f"torch.{DEVICE_TYPE}", saved_hpu[1])
 
         stack.callback(restore)
         for name in saved:
@@ -309,8 +310,8 @@ class StandIn:
             return model if model is not None else (lambda fn: fn)
 
         _patch(stack, torch.nn.Module, "to", module_to)
-        _patch(stack, torch.nn.Module, "hpu", lambda module, device=None: module.to(LAZY))
-        _patch(stack, torch.Tensor, "hpu", lambda tensor, device=None, non_blocking=False, **kw:
+        _patch(stack, torch.nn.Module, DEVICE_TYPE, lambda module, device=None: module.to(LAZY))
+        _patch(stack, torch.Tensor, DEVICE_TYPE, lambda tensor, device=None, non_blocking=False, **kw:
                tensor.to(LAZY, non_blocking=non_blocking))
         _patch(stack, torch, "compile", compile)
 
@@ -362,10 +363,10 @@ def _register_hccl() -> None:
     global _hccl_registered
     import torch.distributed as dist
 
-    if _hccl_registered or "hccl" in dist.Backend.backend_list:
+    if _hccl_registered or DIST_BACKEND in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(
-        "hccl", lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
+        DIST_BACKEND, lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
         devices=["cpu", "lazy"])
     _hccl_registered = True
 
