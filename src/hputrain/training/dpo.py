@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from ..config.preference import DPOConfig
 from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
-from ..distributed.fsdp import reshard
 from ..errors import InputError
 from .logps import shifted_labels, token_logps
 from .loss import IGNORE_INDEX
@@ -241,11 +240,6 @@ class PreferenceObjective(Objective):
                 values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
         finally:
             loop.model.train()
-            if loop.sharded:
-                # the root and the last block keep their gathered weights from a forward to its
-                # backward (distributed/fsdp.py); with no backward here they would stay in place
-                # of the shards that the optimizer, built next, must hold
-                reshard(loop.model)
         return np.concatenate(values).astype(np.float64)
 
     def _cache_key(self, pairs: list[dict]) -> str:

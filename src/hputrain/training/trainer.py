@@ -36,6 +36,7 @@ from ..data.batching import (LABEL_NAMES, DropUnusedColumns, LoaderOptions, Micr
                              default_collator_for, host_can_pin, to_device)
 from ..distributed import ProcessGroup, select_strategy
 from ..distributed.context_parallel import ContextParallel, NoContextParallel
+from ..distributed.fsdp import reshard
 from ..distributed.launch import needs_launch, relaunch_current_program
 from ..distributed.launchers import adopt_launcher_env
 from ..distributed.placement import move_to_device
@@ -146,6 +147,9 @@ class Trainer(CallbackHost):
                 # what the method prepares beside the model (DPO's precomputed reference)
                 self.train_dataset, self.eval_dataset = self.objective.prepare(self.train_dataset,
                                                                                self.eval_dataset)
+                # a forward with no backward there (DPO's precompute) leaves fsdp's root and last
+                # block gathered, in place of the shards the optimizer, built next, must hold
+                reshard(self.model)
                 return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
         finally:
             self._signals.restore()
