@@ -64,15 +64,32 @@ def test_from_json_and_toml(tmp_path):
     ('{"learnig_rate": 1}', ".json", "unknown key 'learnig_rate'.*did you mean 'learning_rate'"),
     ('{"max_steps": "ten"}', ".json", "max_steps .* must be int, got 'ten'"),
     ('{"bf16": 1}', ".json", "bf16 .* must be bool"),
-    ('{"max_steps": 10', ".json", "not valid json"),
-    ("max_steps = = 1", ".toml", "not valid toml"),
+    ('{"max_steps": 10', ".json", "not valid JSON"),
+    ("max_steps = = 1", ".toml", "not valid TOML"),
     ("[1, 2]", ".json", "must hold an object"),
+    ("max_steps: [\n", ".yaml", "not valid YAML: .* at line 2, column 1$"),
+    ("- 1\n", ".yml", "must hold an object"),
+    ("learnig_rate: 1.0e-5\n", ".yaml", "unknown key 'learnig_rate'.*did you mean 'learning_rate'"),
 ])
 def test_bad_files(tmp_path, text, suffix, match):
     path = tmp_path / f"c{suffix}"
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         TrainingArguments.from_file(path)
+
+
+def test_yaml_file_reads_as_its_json_twin(tmp_path):
+    """TRL's and most fine-tuning tools' configs are YAML; `1e-5` is a number there, as YAML 1.2
+    and those tools read it, though PyYAML's YAML 1.1 would make it a string."""
+    (tmp_path / "c.yaml").write_text("# a TRL-style config\nlearning_rate: 1e-5\nmax_steps: 10\n"
+                                     "bf16: true\nreport_to: [tensorboard]\nwarmup_ratio: .5\n"
+                                     "output_dir: runs/x\n")
+    (tmp_path / "c.json").write_text(json.dumps({
+        "learning_rate": 1e-5, "max_steps": 10, "bf16": True, "report_to": ["tensorboard"],
+        "warmup_ratio": 0.5, "output_dir": "runs/x"}))
+    from_yaml = TrainingArguments.from_file(tmp_path / "c.yaml")
+    assert from_yaml == TrainingArguments.from_file(tmp_path / "c.json")
+    assert from_yaml.learning_rate == 1e-5 and from_yaml.max_steps == 10
 
 
 def test_missing_file(tmp_path):

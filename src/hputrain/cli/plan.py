@@ -19,7 +19,8 @@ GIB = 2**30
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="will it fit? one training step traced on fake tensors: the "
                                     "peak memory per rank against a device's",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0],
+                       usage="hputrain plan [train's FLAGS] --target NAME [--json]")
     p.add_argument("--target", default="cpu",
                    help="the device planned for: gaudi2, gaudi3, h100, h200, a100, or cpu (this "
                         "machine's memory; the default)")

@@ -1,4 +1,4 @@
-"""What every settings dataclass of hputrain shares: the error type, reading JSON and TOML files,
+"""What every settings dataclass of hputrain shares: the error type, reading YAML, JSON and TOML files,
 checking values read from files against a field's type, the docstring under each field (for flags
 and help), and one-line checks."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import math
+import re
 import sys
 import textwrap
 import types
@@ -72,7 +73,7 @@ def _coerce(cls, name: str, value, where: str):
 
 
 def read_mapping(path: str | Path) -> dict:
-    """A JSON or TOML file's top-level table, or a ConfigError naming the file."""
+    """A YAML, JSON or TOML file's top-level table, or a ConfigError naming the file."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -81,14 +82,37 @@ def read_mapping(path: str | Path) -> dict:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: "
                           f"{exc.object[exc.start:exc.start + 1]!r})") from None
+    kind = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(path.suffix.lower(), "JSON")
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: "
-                          f"{exc}") from None
+        data = {"TOML": tomllib.loads, "YAML": _load_yaml, "JSON": json.loads}[kind](text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"config file {path} is not valid {kind}: "
+                          f"{' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold an object of settings")
     return data
+
+
+def _load_yaml(text: str):
+    """A YAML document's value, as TRL's and most fine-tuning tools' config files are written.
+    PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; YAML 1.2 and every such tool read
+    it as the number it is, and so does this loader."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    try:
+        return yaml.load(text, Loader=Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{getattr(exc, 'problem', None) or exc}{where}") from None
+
+
+_YAML_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)$")
+"""A number with an exponent and no dot (1e-5, 3E+2), which YAML 1.1's float pattern misses."""
 
 
 def checked_values(cls, data: dict, where: str, ignore=()) -> dict:

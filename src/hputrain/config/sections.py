@@ -164,3 +164,34 @@ class Sections:
                    data=DataSettings.of(args), parallelism=ParallelismSettings.of(args),
                    activation_checkpointing=ActivationCheckpointing.of(args),
                    reporting=ReportingSettings.of(args), profiling=ProfilingSettings.of(args))
+
+
+# `hputrain train --help` lists TrainingArguments' flags in these groups, in this order: a field
+# goes under the first group whose section declares it or whose extra names hold it; the fields
+# left (Hugging Face's and Optimum's spellings, translated when the arguments are made) come last.
+HELP_GROUPS = (
+    ("the run: output, batch, length, seed, resume", None,
+     ("output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+      "gradient_accumulation_steps", "num_train_epochs", "max_steps", "seed",
+      "resume_from_checkpoint", "overwrite_output_dir")),
+    ("optimizer: AdamW, learning-rate schedule, gradient clipping", OptimizerSettings, ()),
+    ("when to log, evaluate and save", ScheduleSettings, ()),
+    ("precision: bf16, fp8", PrecisionSettings, ()),
+    ("execution: eager, lazy, compile, kernels, graphs", ExecutionSettings,
+     ("execution_mode", "torch_compile", "pipelining_fwd_bwd", "use_graphs_for_inference",
+      "use_graphs_for_training", "attention_recompute", "fused_kernels")),
+    ("data loading and padding", DataSettings, ()),
+    ("devices and parallelism: ddp, fast_ddp, fsdp, context parallel", ParallelismSettings,
+     ("accelerator", "devices", "ddp_backend", "ddp_timeout")),
+    ("activation checkpointing", ActivationCheckpointing, ()),
+    ("reporting: progress bar, trackers", ReportingSettings, ()),
+    ("profiling", None, ("profile_steps", "profiling_warmup_steps", "profiling_steps",
+                         "profiling_record_shapes", "profiling_with_stack")),
+)
+
+
+def help_groups(titles=HELP_GROUPS) -> tuple[tuple[str, frozenset[str]], ...]:
+    """(title, the field names listed under it) for each of `titles`' groups."""
+    return tuple((title, frozenset(extra) | ({f.name for f in dataclasses.fields(section)}
+                                             if section else set()))
+                 for title, section, extra in titles)
