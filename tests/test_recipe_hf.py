@@ -2,6 +2,7 @@
 with LoRA) on local text, in-process through `hputrain.cli.main`, against transformers, peft and
 the tokenizer themselves."""
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -233,6 +234,106 @@ def test_a_validation_split_too_short_for_a_block_is_one_line(tmp_path, tokenize
     folder = _save_splits(tmp_path / "dict", {"train": TRAIN_TEXTS, "validation": ["short"]})
     with pytest.raises(hf_data.InputError, match=r"\(its validation split\) has \d+ tokens, fewer than one block"):
         _blocks(folder, tokenizer, tmp_path, validation_percentage=5)
+
+
+# -- a folder of record files (issue 39 item 12) --------------------------------------------------
+
+def _shards(folder, rows, parts=3, parquet=()):
+    """`rows` cut into `parts` files of `folder`, in order: JSON Lines, or Parquet for the
+    indices in `parquet`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cuts = np.array_split(np.arange(len(rows)), parts)
+    for i, part in enumerate(cuts):
+        chunk = [rows[j] for j in part]
+        if i in parquet:
+            pq = pytest.importorskip("pyarrow.parquet")
+            import pyarrow as pa
+            pq.write_table(pa.Table.from_pylist(chunk), folder / f"part-{i}.parquet")
+        else:
+            (folder / f"part-{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+    return folder
+
+
+def test_a_folder_of_record_files_is_read_as_its_rows(tmp_path, tokenizer):
+    """Its files are read by their kind (JSON Lines, Parquet), not as plain text: the blocks are
+    those of the same rows in one file, and a validation/ subfolder (as --streaming lays shards
+    out) is the validation split, packed by itself."""
+    rows = [{"text": t, "id": i} for i, t in enumerate(TRAIN_TEXTS)]
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = _shards(tmp_path / "shards", rows, parquet=(1,))
+    assert hf_data.columns_of(str(folder)) == ["text", "id"]
+    got = _blocks(folder, tokenizer, tmp_path).train.blocks
+    assert np.array_equal(got, _blocks(one, tokenizer, tmp_path).train.blocks)
+    assert np.array_equal(got, _packed(tokenizer, TRAIN_TEXTS))
+    _shards(folder / "validation", [{"text": t} for t in VALIDATION_TEXTS], parts=2)
+    data = _blocks(folder, tokenizer, tmp_path, validation_percentage=5)
+    assert data.own_validation and hf_data.saved_splits(str(folder)) == ["train", "validation"]
+    assert np.array_equal(data.train.blocks, got)  # nothing held out, the validation rows not trained on
+    assert np.array_equal(data.validation.blocks, _packed(tokenizer, VALIDATION_TEXTS))
+
+
+def _method_of(path, **flags):
+    """(what hf.data_kind says, the SFT / text method hf_sft.data_method says, or the error line)."""
+    from hputrain.recipes import hf_sft
+
+    options = hf.HFOptions(model="m", dataset=str(path), **flags)
+    try:
+        kind = hf.data_kind(options)
+        return kind, hf_sft.data_method(str(path)) if kind == "lm_or_sft" else None
+    except hf_data.InputError as error:  # a file names its line, a folder the column
+        return "error", re.sub(r" line \d+ has no '(\w+)' field", r" has no '\1' column",
+                               str(error).replace(str(path), "DATA"))
+
+
+ROWS = {
+    "chat": [{"messages": [{"role": "user", "content": f"q{i}"},
+                           {"role": "assistant", "content": f"a{i}"}]} for i in range(6)],
+    "prompt-completion": [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(6)],
+    "prompt-only": [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)],
+    "pairs": [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(6)],
+    "text": [{"text": f"t{i}"} for i in range(6)],
+}
+
+
+REWARDS = {"reward_funcs": ["rewards.py:f"]}
+
+
+@pytest.mark.parametrize("kind, flags, want", [
+    ("chat", {}, ("lm_or_sft", "messages")),
+    ("prompt-completion", {}, ("lm_or_sft", "prompt_completion")),
+    ("text", {}, ("lm_or_sft", "text")),
+    ("pairs", {}, ("dpo", None)),
+    ("prompt-only", REWARDS, ("grpo", None)),
+    ("prompt-only", {}, ("error", "prompt, answer")),
+    ("chat", REWARDS, ("error", "--reward-funcs is for prompts")),
+], ids=["chat", "prompt-completion", "text", "pairs", "prompts", "prompts-no-rewards", "chat-rewards"])
+def test_a_folder_of_shards_takes_the_method_of_the_same_rows_in_one_file(tmp_path, kind, flags, want):
+    """Chat, prompt-completion, text, prompt-only (GRPO) and pair (DPO) shards get the method, or
+    the refusal, that the same rows in one file get; a folder of them was read as plain text."""
+    rows = ROWS[kind]
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = _method_of(one, **flags)
+    assert expected[0] == want[0] and (want[1] is None or want[1] in expected[1]), expected
+    assert _method_of(_shards(tmp_path / "shards", rows, parquet=(2,)), **flags) == expected
+    if kind != "text":
+        assert [r for _, r in hf_data.records(str(tmp_path / "shards"))] == rows  # rows, not text
+
+
+@pytest.mark.parametrize("case", ["other files", "other rows"])
+def test_a_folder_of_mixed_kinds_is_one_line(tmp_path, llama_folder, capsys, case):  # noqa: F811
+    folder = _shards(tmp_path / "mixed", ROWS["chat"], parts=2)
+    if case == "other files":
+        (folder / "notes.txt").write_text("some text")
+        words = ["mixes files of records (part-0.jsonl) with other files (notes.txt)"]
+    else:
+        (folder / "pairs.jsonl").write_text(json.dumps(ROWS["pairs"][0]) + "\n")
+        words = ["mixes rows of different kinds", "part-0.jsonl has messages",
+                 "pairs.jsonl has prompt, chosen, rejected"]
+    assert train(tmp_path / "run", llama_folder, folder, "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
 
 
 def test_train_evaluates_on_the_validation_split_and_says_so(tmp_path, llama_folder, tokenizer, capsys):  # noqa: F811

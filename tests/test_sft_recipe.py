@@ -135,6 +135,23 @@ def test_evaluate_prompt_completion_counts_the_completion(tmp_path, capsys, chat
     assert everything["eval_tokens"] > count
 
 
+def test_a_folder_of_chat_shards_evaluates_as_the_same_rows_in_one_file(tmp_path, capsys, chat_model,
+                                                                       chat_rows):
+    """Issue 39 item 12: a folder of .jsonl shards (no --streaming) is read by its files' kind,
+    as chat rows, and gives the tokens and loss of one file of the same rows, which equal the
+    reference's (each example by itself); it was read as plain text, JSON and all."""
+    one = write_jsonl(tmp_path / "chat.jsonl", chat_rows)
+    (tmp_path / "shards").mkdir()
+    for k in range(3):
+        write_jsonl(tmp_path / "shards" / f"chat-{k:02d}.jsonl", chat_rows[k * 5:(k + 1) * 5])
+    expected, count = reference_loss(chat_model, chat_rows)
+    whole = evaluate(capsys, chat_model, one, "--block-size", BLOCK)
+    shards = evaluate(capsys, chat_model, tmp_path / "shards", "--block-size", BLOCK)
+    assert shards["method"] == whole["method"] == "messages"
+    assert shards["eval_tokens"] == whole["eval_tokens"] == count
+    assert shards["eval_loss"] == whole["eval_loss"] == pytest.approx(expected, abs=1e-5)
+
+
 def test_evaluate_text_and_lines(tmp_path, capsys, chat_model):
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 40)

@@ -1,8 +1,12 @@
 """The Hugging Face recipe's data: local text in one of four shapes, tokenized once, packed into
 blocks of equal length, cached on disk.
 
-Shapes: a UTF-8 text file; a folder of text files; a JSON Lines file (.jsonl, or .json holding
-lines or one array) of records with a text field; a folder written by datasets' save_to_disk.
+Shapes: a UTF-8 text file; a folder of text files; a file of records (rows of fields: JSON Lines
+.jsonl, .json holding lines or one array, or Parquet) with a text field, or a folder of such files
+(shards, read in sorted order; its `validation/` subfolder, as --streaming lays shards out, is the
+validation split); a folder written by datasets' save_to_disk. A folder's files are read by their
+kind: one of record files and other files is refused, as is one whose files hold rows of different
+kinds (chat rows beside preference pairs), since the method comes from the rows' fields.
 A document is a file, a record or a row: its tokens are followed by the tokenizer's eos token, then
 everything is cut into blocks of `block_size` tokens (the tail shorter than a block is dropped,
 as run_clm does), so that every step has the same shapes and graph-compiling devices compile once.
@@ -33,14 +37,19 @@ import torch
 
 from ..data import token_store
 from ..data.batching import walk_sorted
+from ..data.streaming import VALIDATION_FOLDER, read_rows
 from ..errors import InputError
-from ..files import NotARegularFile, read_regular_file
+from ..files import NotARegularFile, open_regular_file, read_regular_file
 
 CACHE_VERSION = 1  # bump when the packing changes, so old cache files are not read
 PIECE_CHARS = 1 << 16  # a long document is tokenized in pieces cut at line ends: bounded memory
 BATCH_PIECES = 256  # pieces per tokenizer call: the fast tokenizers work a batch in parallel
-SHAPES = ("a UTF-8 text file, a folder of text files, a JSON Lines file with a text field, or a "
-          "folder written by datasets' save_to_disk")
+SHAPES = ("a UTF-8 text file, a folder of text files, a JSON Lines or Parquet file with a text "
+          "field (or a folder of them), or a folder written by datasets' save_to_disk")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""Files of records (rows of fields), alone or in a folder; any other file is read as text."""
+SHAPE_COLUMNS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected")
+"""The fields that decide a row's method (SFT, DPO, GRPO, or text without any of them)."""
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SPLITS_FILE = "dataset_dict.json"  # a DatasetDict's save_to_disk names its splits here
 TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"  # run_clm's names
@@ -84,11 +93,10 @@ def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "te
     others wait for its cache and read it (token_store.made_once)."""
     workers = token_store.check_workers(workers)
     source = Path(path)
-    kind, files = _source(source)
-    own = (kind == "saved" and validation_percentage > 0
-           and VALIDATION_SPLIT in _saved_splits(source))
+    own = validation_percentage > 0 and VALIDATION_SPLIT in saved_splits(path)
 
     def blocks_of(split: str, where: str) -> tuple[np.ndarray, Path, bool]:
+        kind, files = _source(source, split)
         key = cache_key(kind, source, files, tokenizer, tokenizer_folder, block_size, text_column,
                          split if kind == "saved" else None)
         cache_file = Path(cache_dir) / f"blocks-{key[:24]}.npy"
@@ -164,42 +172,84 @@ def split(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray,
 # -- what the data set is ----------------------------------------------------------------------
 
 def columns_of(path: str) -> list[str] | None:
-    """The data set's columns: a save_to_disk folder's, or the first record's fields of a JSON
-    Lines file; None for plain text (a file or a folder of them)."""
+    """The data set's columns: a save_to_disk folder's, or the first record's fields of a file
+    of records (of each file of a folder of them, which must agree on the fields that decide the
+    method); None for plain text (a file or a folder of them)."""
     source = Path(path)
-    kind, _ = _source(source)
+    kind, files = _source(source)
     if kind == "saved":
         return list(_load_saved(source)[0].column_names)
-    if kind == "jsonl":
-        first = next(_json_objects(source), None)
-        return list(first[1]) if first is not None and isinstance(first[1], dict) else []
-    return None
+    if kind not in ("jsonl", "records"):
+        return None
+    if kind == "records" and VALIDATION_SPLIT in saved_splits(path):
+        files = files + _source(source, VALIDATION_SPLIT)[1]
+    firsts = [(file, _fields(_first_record(file))) for file in files]
+    firsts = [(file, fields) for file, fields in firsts if fields is not None] or [(source, [])]
+    _one_kind_of_row(source, firsts)
+    return firsts[0][1]
+
+
+def _fields(first: tuple[str, object] | None) -> list[str] | None:
+    """A record's field names ([] when it is not an object of fields); None for no record."""
+    if first is None:
+        return None
+    return list(first[1]) if isinstance(first[1], dict) else []
+
+
+def _one_kind_of_row(folder: Path, firsts: list[tuple[Path, list[str]]]) -> None:
+    """One line when the files' first rows differ in the fields that decide the method."""
+    shapes: dict[tuple, tuple[Path, list[str]]] = {}
+    for file, fields in firsts:
+        shapes.setdefault(tuple(c for c in SHAPE_COLUMNS if c in fields), (file, fields))
+    if len(shapes) > 1:
+        (a, a_fields), (b, b_fields) = list(shapes.values())[:2]
+        raise InputError(f"--dataset {folder} mixes rows of different kinds: {a.relative_to(folder)} "
+                         f"has {', '.join(map(str, a_fields)) or 'no fields'}, "
+                         f"{b.relative_to(folder)} has {', '.join(map(str, b_fields)) or 'no fields'}: "
+                         "the method comes from the rows' fields, so give one kind of row per data set")
 
 
 def records(path: str, split: str = TRAIN_SPLIT) -> Iterator[tuple[str, dict]]:
-    """(where, row) for each row of a JSON Lines file or a save_to_disk folder (a DatasetDict:
-    its `split`); `where` names the row in errors."""
+    """(where, row) for each row of a file of records, of each file of a folder of them (in
+    sorted order; `split` "validation": its validation/ subfolder's), or of a save_to_disk folder
+    (a DatasetDict: its `split`); `where` names the row in errors."""
     source = Path(path)
-    kind, _ = _source(source)
+    kind, files = _source(source, split)
     if kind == "saved":
         data, name = _load_saved(source, split)
         for number, row in enumerate(data):
             yield f"{name} row {number}", row
         return
-    for where, record in _json_objects(source):
-        if not isinstance(record, dict):
-            raise InputError(f"--dataset {where} is {type(record).__name__}, not an object of fields")
-        yield where, record
+    for file in files:
+        for where, record in _file_records(file):
+            if not isinstance(record, dict):
+                raise InputError(f"--dataset {where} is {type(record).__name__}, not an object of fields")
+            yield where, record
 
 
 def saved_splits(path: str) -> list[str]:
-    """The split names of a save_to_disk DatasetDict folder ([] for anything else)."""
+    """The split names of a save_to_disk DatasetDict folder, or ["train", "validation"] for a
+    folder of record files with a validation/ subfolder of them ([] for anything else)."""
     source = Path(path)
-    return _saved_splits(source) if source.is_dir() else []
+    if not source.is_dir():
+        return []
+    if any((source / marker).is_file() for marker in SAVED_MARKERS):
+        return _saved_splits(source)
+    held = source / VALIDATION_FOLDER
+    if held.is_dir() and any(_is_record_file(f) for f in walk_sorted(held, None)):
+        return [TRAIN_SPLIT, VALIDATION_SPLIT]
+    return []
 
 
-def _source(path: Path) -> tuple[str, list[Path]]:
-    """(kind, the files that make it up, in a fixed order)."""
+def _is_record_file(path: Path) -> bool:
+    return path.suffix.lower() in RECORD_SUFFIXES
+
+
+def _source(path: Path, split: str = TRAIN_SPLIT) -> tuple[str, list[Path]]:
+    """(kind, the files that make up `split`, in a fixed order). Kinds: "saved" (save_to_disk:
+    all its files, whatever the split), "records" (a folder of record files; its validation/
+    subfolder is the validation split), "folder" (of text files), "jsonl" (one file of records,
+    Parquet's too: the name predates them, and it is part of the cache keys), "text"."""
     if not path.exists():
         raise InputError(f"--dataset {path} does not exist: give {SHAPES}")
     if path.is_dir():
@@ -208,8 +258,22 @@ def _source(path: Path) -> tuple[str, list[Path]]:
             return "saved", files
         if not files:
             raise InputError(f"--dataset {path} is an empty folder: give {SHAPES}")
-        return "folder", files
-    if path.suffix.lower() in (".jsonl", ".json"):
+        rows = [file for file in files if _is_record_file(file)]
+        if not rows:
+            return "folder", files
+        if len(rows) < len(files):
+            other = next(file for file in files if not _is_record_file(file))
+            raise InputError(f"--dataset {path} mixes files of records ({rows[0].relative_to(path)}) "
+                             f"with other files ({other.relative_to(path)}), which would be read as "
+                             f"plain text: keep one kind of file in the folder (records: "
+                             f"{', '.join(RECORD_SUFFIXES)})")
+        held = path / VALIDATION_FOLDER
+        mine = [file for file in rows if (held in file.parents) == (split == VALIDATION_SPLIT)]
+        if not mine:
+            raise InputError(f"--dataset {path} holds no record files outside its "
+                             f"{VALIDATION_FOLDER}/ subfolder: give it some to train on")
+        return "records", mine
+    if _is_record_file(path):
         return "jsonl", [path]
     return "text", [path]
 
@@ -228,8 +292,10 @@ def _documents(kind: str, path: Path, files: list[Path], column: str,
                split: str = TRAIN_SPLIT) -> Iterator[str]:
     if kind == "saved":
         yield from _saved_rows(path, column, split)
-    elif kind == "jsonl":
-        yield from _json_records(path, column)
+    elif kind in ("jsonl", "records"):
+        for file in files:
+            for where, record in _file_records(file):
+                yield _text_field(record, column, where)
     else:
         for file in files:
             yield _read_text(file)
@@ -255,10 +321,35 @@ def _read_text(path: Path) -> str:
                          f"UTF-8, or give {SHAPES}") from None
 
 
-def _json_records(path: Path, column: str) -> Iterator[str]:
-    """The text field of each record: one JSON object a line, or (a .json file) one array."""
-    for where, record in _json_objects(path):
-        yield _text_field(record, column, where)
+def _file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, record) for each record of a file of them: Parquet rows (read a batch at a time,
+    as --streaming reads them), or JSON (one object a line, or a .json file's one array)."""
+    if path.suffix.lower() == ".parquet":
+        for record, row, _ in read_rows(path):
+            yield f"{path} row {row}", record
+    else:
+        yield from _json_objects(path)
+
+
+def _first_record(path: Path) -> tuple[str, object] | None:
+    """(where, the first record) of a file of records, or None when it holds none. A JSON Lines
+    file is read up to its first row only (its method is decided once per file); what that quick
+    read cannot take (a .json array, a line that is not JSON, a FIFO) is read whole, whose
+    errors say what is wrong in one line."""
+    if path.suffix.lower() != ".parquet":
+        try:
+            with open_regular_file(path) as handle:
+                for number, line in enumerate(handle, 1):
+                    text = line.decode("utf-8-sig" if number == 1 else "utf-8").strip()
+                    if text.startswith("[") and path.suffix.lower() == ".json":
+                        break  # one array: read whole below
+                    if text:
+                        return f"{path} line {number}", json.loads(text)
+                else:
+                    return None
+        except (OSError, ValueError):  # NotARegularFile, UnicodeDecodeError, JSONDecodeError
+            pass
+    return next(_file_records(path), None)
 
 
 def _json_objects(path: Path) -> Iterator[tuple[str, object]]:
@@ -345,9 +436,9 @@ def _pieces(text: str) -> Iterator[str]:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-def source_files(path: str) -> tuple[str, list[Path]]:
-    """(kind, the files that make up the data set): what a cache key is made of."""
-    return _source(Path(path))
+def source_files(path: str, split: str = TRAIN_SPLIT) -> tuple[str, list[Path]]:
+    """(kind, the files that make up the data set's `split`): what a cache key is made of."""
+    return _source(Path(path), split)
 
 
 def cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size, column,
@@ -356,7 +447,7 @@ def cache_key(kind, source: Path, files, tokenizer, tokenizer_folder, block_size
     the other shapes, whose keys are then what they were before splits were read)."""
     digest = hashlib.sha256()
     resolved = source.resolve()
-    stats = [(str(f.resolve().relative_to(resolved)) if kind in ("saved", "folder") else f.name,
+    stats = [(str(f.resolve().relative_to(resolved)) if kind in ("saved", "folder", "records") else f.name,
               f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     decided = [CACHE_VERSION, kind, str(resolved), stats, block_size, column,
                type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id]

@@ -143,7 +143,7 @@ def _encoded_pairs(options, tokenizer, block_size: int, cache_dir, tokenizer_fol
 
     if cache_dir is None:
         return make()
-    kind, files = hf_data.source_files(path)
+    kind, files = hf_data.source_files(path, split)
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else repr(template)
     extra = [CACHE_VERSION, form.name, *form.extra, hashlib.sha256(template.encode()).hexdigest()]

@@ -154,7 +154,7 @@ class Examples:
 def encoded(path: str, fmt: str, tokenizer, options, cache_dir, tokenizer_folder, split: str):
     """(Examples, SFTStats, cache folder, whether read from it) of one split: made by the first
     process of the node to get here, read by the others (token_store.made_once)."""
-    kind, files = hf_data.source_files(path)
+    kind, files = hf_data.source_files(path, split)
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else repr(template)  # a dict of named ones
     extra = [CACHE_VERSION, "sft", fmt, options.assistant_only_loss, options.completion_only_loss,
