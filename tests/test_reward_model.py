@@ -253,6 +253,44 @@ def test_cli_trains_lora_adapters_and_the_score_head(folders, tmp_path):
     assert (after - before).abs().max() > 1e-3
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # PEFT's read
+def test_a_lora_reward_model_is_a_reward_function_and_merges_with_its_head(folders, tmp_path,
+                                                                         capsys):
+    """Issue 39, item 5: a LoRA reward model's final/ (adapters and the score head it trained, on
+    a causal LM's base) scores in GRPO's reward functions as PEFT scores it, and `export --merge`
+    writes a sequence classifier that keeps the trained head; as a generator, both are one line."""
+    peft = pytest.importorskip("peft")
+    from hputrain.training.rewards import RewardFunctions
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", text_rows())
+    final = train(tmp_path, "lora", "--model", str(folders["causal"]), "--dataset", str(data),
+                  "--max-steps", "3", "--lora-r", "4", "--learning-rate", "1e-2") / "final"
+    tokenizer = tokenizer_of(folders["causal"])
+    texts = [r["prompt"] + r["chosen"] for r in text_rows()]
+    reference = peft.PeftModel.from_pretrained(load(folders["causal"]), final).eval()
+    expected = scores(reference, tokenizer, texts)
+    rewards = RewardFunctions([str(final)])
+    assert rewards.names == ["final"] and rewards.functions[0].config.num_labels == 1
+    prompts = [r["prompt"] for r in text_rows()]
+    ours = rewards(prompts, [r["chosen"] for r in text_rows()], [[1]] * 6, {}, step=1)[:, 0]
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+    capsys.readouterr()
+    assert main(["export", "--merge", str(final), "--output", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "LlamaForSequenceClassification"
+    assert merged.config.num_labels == 1
+    torch.testing.assert_close(scores(merged.eval(), tokenizer, texts), expected, rtol=0, atol=1e-5)
+    merged_rewards = RewardFunctions([str(tmp_path / "merged")])
+    torch.testing.assert_close(merged_rewards(prompts, [r["chosen"] for r in text_rows()],
+                                              [[1]] * 6, {}, step=1)[:, 0], expected, rtol=0, atol=1e-5)
+    for folder in (final, tmp_path / "merged"):  # a scorer does not generate
+        capsys.readouterr()
+        assert main(["generate", "--cpu", "--model", str(folder), "--chat", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert "sequence classifier" in err and "does not generate" in err and "Traceback" not in err
+
+
 @lazy_rehearses_hf_models
 def test_lazy_mode_compiles_nothing_after_warm_up(folders, tmp_path):
     """Pairs padded to a few static lengths, metrics summed on the device: after the warm-up

@@ -284,10 +284,17 @@ def test_reward_model_given_as_a_module_with_its_tokenizer(reward_model):
 
 
 def test_reward_model_faults_are_one_line(reward_model, tmp_path):
-    causal = tiny_llama_folder(tmp_path / "causal")  # a causal LM: no one-label head
-    with pytest.raises(InputError, match=r"^reward model .*causal: has 2 labels; a reward model has one"):
-        RewardFunctions([str(causal)])
-    with pytest.raises(InputError, match=r"^reward model .*empty: no config.json in the folder"):
+    causal = tiny_llama_folder(tmp_path / "causal")  # a causal LM: no score head
+    with pytest.raises(InputError, match=r"^reward model .*causal holds a causal language model "
+                                         r"\(LlamaForCausalLM\), a language model, without a score "
+                                         r"head; give a sequence classifier's folder \(a reward model"):
+        RewardFunctions([str(causal)])  # issue 39, item 9: not "has 2 labels"
+    two = transformers.LlamaForSequenceClassification(tiny_llama_config(300, num_labels=2))
+    two.save_pretrained(tmp_path / "two")
+    transformers.AutoTokenizer.from_pretrained(reward_model).save_pretrained(tmp_path / "two")
+    with pytest.raises(InputError, match=r"^reward model .*two: has 2 labels; a reward model has one"):
+        RewardFunctions([str(tmp_path / "two")])
+    with pytest.raises(InputError, match=r"^reward model .*empty: no config.json nor adapter_config.json in "):
         (tmp_path / "empty").mkdir()
         RewardFunctions([str(tmp_path / "empty")])
     model = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model)

@@ -17,6 +17,8 @@ from ..config.fields import ConfigError, check_choice
 from ..config.grpo import GRPO_DEFAULTS, REWARD_DEFAULTS, GRPOOptions
 from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
+from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, check_task, folder_task,
+                                        head_labels, load_classifier)
 from .hf_adapters import (adapter_base, continued_rank, is_adapter_folder, load_adapter,
                           tokenizer_folder, tokenizer_source)
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
@@ -339,21 +341,27 @@ def model_folder(name: str, *, flag: str = "--model", base_model: str | None = N
 
 def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | None = None,
                trainable: bool = False, merge: bool = False, flag: str = "--model",
-               sharded: bool = False):
+               sharded: bool = False, task: str | None = CAUSAL_LM):
     """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
     precision plugin casts per op, and the optimizer keeps full-precision weights. `sharded`
     (fsdp across processes): the model's parameters stay on the meta device, and each rank
     reads its own shards once fsdp has cut them (hf_sharded.py); not for a base whose adapters
-    are merged into it, nor for --from-scratch (drawn as before).
+    are merged into it, nor for --from-scratch (drawn as before). `task`: the model asked for,
+    a causal LM unless said (checkpoint/model_folders.py); a folder of the other task's model
+    or adapters is one line; None takes the folder's own (a sequence classifier's adapters load
+    onto a sequence classifier of their head's labels, which `merge` keeps).
 
     An adapter folder (hf_adapters.py) is its base model with its adapters loaded by PEFT:
     trainable ones with `trainable` (training continues on them), merged into the weights with
     `merge` (a frozen reference needs no adapters), else frozen; the tokenizer is the folder's
     own when it has one."""
+    task = check_task(folder, task, flag) if task is not None else folder_task(folder, flag)
     if not is_adapter_folder(folder):
-        return _load_folder(folder, from_scratch, flag, sharded)
+        return _load_folder(folder, from_scratch, flag, sharded, task=task)
     base = adapter_base(folder, base_model, flag)
-    model, tokenizer = _load_folder(base, False, flag, sharded and not merge)
+    labels = head_labels(folder) if task == SEQ_CLS else None
+    model, tokenizer = _load_folder(base, False, flag, sharded and not merge, task=task,
+                                    labels=labels)
     if tokenizer_folder(folder, base) == folder:
         tokenizer = _load_tokenizer(folder, flag)
     from ..distributed.fsdp import on_meta
@@ -368,10 +376,11 @@ def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | No
     return (model.merge_and_unload() if merge else model), tokenizer
 
 
-def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = False):
+def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = False, *,
+                 task: str | None = CAUSAL_LM, labels: int | None = None):
     """(model, tokenizer) of a model folder (see load_model). Loaded from its absolute path, the
     model's name_or_path, which PEFT writes into adapter_config.json as the base, holds from any
-    working directory."""
+    working directory. `task` SEQ_CLS: a sequence classifier of `labels` (load_classifier)."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
     import torch
     import transformers
@@ -386,6 +395,8 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
     tokenizer = _load_tokenizer(folder, flag)
     auto = transformers.AutoModelForCausalLM
     try:
+        if task == SEQ_CLS:
+            return load_classifier(folder, labels, config), tokenizer
         if sharded and not from_scratch and (model := meta_model(folder, config, flag)) is not None:
             return model, tokenizer
         if from_scratch:
@@ -394,7 +405,7 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
             model = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
                                          local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"{flag} {folder} cannot be loaded as a causal language model: "
+        raise InputError(f"{flag} {folder} cannot be loaded as {TASK_WORDS[task or CAUSAL_LM]}: "
                          f"{_first_line(exc)}") from None
     return model, tokenizer
 

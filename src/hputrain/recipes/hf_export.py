@@ -2,7 +2,9 @@
 merged into its base model (PEFT's merge_and_unload) and written as save_pretrained writes a model
 (config.json, model.safetensors, the tokenizer), for servers and tools that want one model
 folder. It is written in the dtype the base's config.json names (merged in float32 first), into
-a temporary folder renamed into place (checkpoint/export.py's save_model)."""
+a temporary folder renamed into place (checkpoint/export.py's save_model). The adapters of a
+sequence classifier (a LoRA reward model, task_type SEQ_CLS) merge into a sequence classifier
+that keeps their trained score head (checkpoint/model_folders.py)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +28,8 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     target = Path(output).expanduser()
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
-    merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True)
+    merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True,
+                                   task=None)  # its own task: a classifier keeps its head
     dtype = _stored_dtype(base)
     if dtype is not None:  # loaded in float32 to merge; written as the base is stored
         merged = merged.to(dtype)

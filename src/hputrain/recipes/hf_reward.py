@@ -16,12 +16,12 @@ the other recipes load it (hf_sharded.py).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
 from pathlib import Path
 
+from ..checkpoint.model_folders import quiet_load_report
 from ..errors import InputError
 from . import hf_data
 from .hf_common import choose_block_size, first_line
@@ -142,23 +142,13 @@ def _load_whole(auto, folder: Path, config, transformers):
     """(model, names of the weights drawn) by from_pretrained, its report of them kept quiet."""
     import torch
 
-    with _quiet_load_report(transformers):  # it lists the head we know is new: said by the caller
+    with quiet_load_report(transformers):  # it lists the head we know is new: said by the caller
         model, info = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
                                            local_files_only=True, ignore_mismatched_sizes=True,
                                            output_loading_info=True)
     drawn = sorted({*info.get("missing_keys", ()),
                     *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))})
     return model, drawn
-
-
-@contextlib.contextmanager
-def _quiet_load_report(transformers):
-    verbosity = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.utils.logging.set_verbosity(verbosity)
 
 
 def add_reward_lora(model, options):

@@ -13,7 +13,8 @@ A reward model is a sequence-classification model with one label: prompt and com
 joined (as text, or through its tokenizer's chat template when the prompt is a conversation),
 padded on the right, and the score is the model's one logit.
 
-On the command line an entry is `FILE.py:NAME` (a function in a Python file) or a model folder.
+On the command line an entry is `FILE.py:NAME` (a function in a Python file) or a reward model:
+a model folder, or the adapter folder of a LoRA reward model (checkpoint/model_folders.py).
 Every fault of an entry or of a function's answer is one line naming the function (and the step).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint.model_folders import ADAPTER_CONFIG, is_adapter_folder, load_scorer
 from ..errors import InputError
 
 FIXED_KEYS = ("prompt", "completion", "completion_ids")
@@ -115,24 +117,23 @@ def _import_file(path: Path, module_name: str, entry: str):
 
 
 def _load_model(folder: Path, entry: str):
-    """The sequence-classification model in `folder` with its tokenizer; refuses more than one label."""
+    """The sequence classifier in `folder` (a model folder, or a classifier's adapter folder,
+    merged: checkpoint/model_folders.py) with its tokenizer; refuses more than one label."""
     import transformers
 
-    if not (folder / "config.json").is_file():
-        raise InputError(f"reward model {entry}: no config.json in the folder (a model as "
-                         f"save_pretrained writes it)")
+    where = f"reward model {entry}:"
+    if not (folder / "config.json").is_file() and not is_adapter_folder(folder):
+        raise InputError(f"{where} no config.json nor {ADAPTER_CONFIG} in the folder (a model or "
+                         "adapters, as save_pretrained writes them)")
+    model, tokenizer_from = load_scorer(folder, flag="reward model")
+    labels = model.config.num_labels
+    if labels != 1:
+        raise InputError(f"{where} has {labels} labels; a reward model has one score (num_labels=1)")
     try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - a folder that is not a model is one line
-        raise InputError(f"reward model {entry}: not a model folder ({_one_line(error)})") from None
-    if config.num_labels != 1:
-        raise InputError(f"reward model {entry}: has {config.num_labels} labels; a reward model has one "
-                         f"score (num_labels=1)")
-    try:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
     except Exception as error:  # noqa: BLE001
-        raise InputError(f"reward model {entry}: cannot be loaded: {_one_line(error)}") from None
+        raise InputError(f"{where} its tokenizer cannot be loaded: {_one_line(error)}") from None
+    model.config._name_or_path = str(folder)  # its name in the metrics: the folder given
     return model, tokenizer
 
 
