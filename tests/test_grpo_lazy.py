@@ -121,3 +121,42 @@ def test_sampling_noise_on_the_lazy_device_is_a_cpu_generators_draws():
     assert drawn.device.type == "lazy" and drawn.shape == (3, 1)
     assert torch.equal(drawn.cpu(), eager)
     assert torch.equal(eager, 1 - torch.empty(3, 1).uniform_(generator=torch.Generator().manual_seed(7)))
+
+
+@pytest.mark.parametrize("mode", ["eager", pytest.param("lazy", marks=lazy_rehearses_hf_models)])
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora"])
+def test_in_bf16_the_old_and_reference_log_probs_are_the_training_forwards_at_step_1(
+        folder, tmp_path, monkeypatch, mode, lora):
+    """Issue 39 item 3: under bf16-mixed the rollout's old-policy and reference log-probs are
+    computed as the training forward computes its own (autocast, the lazy backend's context, the
+    reference in the policy's dtype, as TRL loads it): at step 1 nothing has changed the weights,
+    so the log-ratio the loss clips and the KL's log-ratio are exactly 0 (they were 1.4e-3 and
+    2e-3 in eager mode, when those passes ran outside autocast)."""
+    import hputrain.training.grpo as grpo
+
+    seen = []
+
+    def spy(logps, old, ref, *args, **kwargs):
+        if not seen:  # step 1's micro-batch, as the training forward sees it
+            seen.append((logps.detach() - old, logps.detach() - ref))
+        return grpo_loss(logps, old, ref, *args, **kwargs)
+
+    grpo_loss = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    if lora:  # the reference is the policy with its adapters disabled
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, max_steps=1, disable_tqdm=True, save_steps=0,
+                      report_to=[], seed=0, execution_mode=mode, prompt_buckets=[16], bf16=True,
+                      num_iterations=2, beta=0.04)  # old log-probs, and a reference
+    trainer = GRPOTrainer(model, args, reward_funcs=[tens],
+                          train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer,
+                          complete=fixed_completions(len(tokenizer), tokenizer.eos_token_id, 6))
+    assert trainer.precision.compute_dtype == torch.bfloat16
+    trainer.train()
+    (to_old, to_reference), = seen
+    assert torch.equal(to_old.cpu(), torch.zeros(4, 6)), to_old.abs().max()
+    assert torch.equal(to_reference.cpu(), torch.zeros(4, 6)), to_reference.abs().max()

@@ -155,9 +155,11 @@ class Precision:
         """Change the module's layers for this precision (fp8 replaces Linear layers)."""
         return module
 
-    def convert_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+    def convert_frozen(self, module: torch.nn.Module, like_trained: bool = False) -> torch.nn.Module:
         """A module that only runs forward beside the trained one (DPO's reference): converted
-        as the trained one is, without gradients, in eval mode."""
+        as the trained one is, without gradients, in eval mode. `like_trained`: stored in the
+        trained one's dtype too, so that its forward takes the same numerical path (GRPO's
+        reference, whose KL to the policy is then exactly 0 at the start, as in TRL)."""
         return self.convert_module(module).requires_grad_(False).eval()
 
     def __repr__(self) -> str:
@@ -177,10 +179,12 @@ class BF16Autocast(Precision):
     def forward_context(self):
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
-    def convert_frozen(self, module):
-        """Stored in bfloat16: nothing trains it, so no float32 master is needed, and autocast
-        would otherwise cast every weight again at each forward (and hold twice the memory)."""
-        return super().convert_frozen(module).to(torch.bfloat16)
+    def convert_frozen(self, module, like_trained: bool = False):
+        """Stored in bfloat16 unless `like_trained`: nothing trains it, so no float32 master is
+        needed, and autocast would otherwise cast every weight again at each forward (and hold
+        twice the memory)."""
+        frozen = super().convert_frozen(module)
+        return frozen if like_trained else frozen.to(torch.bfloat16)
 
 
 class OpListAutocast(BF16Autocast):

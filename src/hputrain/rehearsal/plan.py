@@ -179,7 +179,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
     with torch.device("meta") if fake else contextlib.nullcontext():
         model = step.build(step.lora)  # on the meta device: shapes only, nothing read
         reference = _frozen(step.reference(step.lora) if step.reference else None, args,
-                            accelerator)
+                            accelerator, like_trained=step.grpo is not None)
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with _fake_group(ranks) if sharded else contextlib.nullcontext() as group, mode:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
@@ -291,13 +291,14 @@ def _prepare(model, args, group, accelerator):
     return prepared, optimizer, precision, clip, strategy
 
 
-def _frozen(reference, args, accelerator):
-    """A frozen model as DPOTrainer prepares its reference (Precision.convert_frozen). Done while
-    its weights are meta tensors: a fake tensor's dtype cannot be changed in place."""
+def _frozen(reference, args, accelerator, like_trained: bool = False):
+    """A frozen model as DPOTrainer (GRPOTrainer: `like_trained`) prepares its reference
+    (Precision.convert_frozen). Done while its weights are meta tensors: a fake tensor's dtype
+    cannot be changed in place."""
     if reference is None:
         return None
     precision = select_precision(Sections.of(args).precision, AcceleratorConfig(), accelerator)
-    return precision.convert_frozen(reference)
+    return precision.convert_frozen(reference, like_trained)
 
 
 def _notes(traced: StepTrace, args, target: str) -> list[str]:

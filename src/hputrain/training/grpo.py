@@ -158,8 +158,8 @@ class GRPOObjective(Objective):
         if not isinstance(self.reward_funcs, RewardFunctions):
             self.reward_funcs = RewardFunctions(self.reward_funcs, cfg.reward_weights,
                                                 device=loop.device)
-        if self.reference is not None:
-            self.reference = loop.place_frozen(self.reference)
+        if self.reference is not None:  # in the policy's dtype: at the start their KL is 0
+            self.reference = loop.place_frozen(self.reference, like_trained=True)
         tokenizer = self.tokenizer
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -281,12 +281,17 @@ class GRPOObjective(Objective):
                     batch["ref_logps"] = self._no_grad_logps(loop.module, batch)
 
     def _no_grad_logps(self, module, batch: dict) -> torch.Tensor:
+        """`module`'s log-probs of `batch`, a micro-batch at a time, in the training forward's
+        context (autocast, the lazy backend's): at the rollout the old policy's are then the
+        training forward's own, bit for bit, and the reference's run on the same numerical path.
+        Each part's graph runs (mark_step) outside that context, as the training step's does: on
+        the CPU's lazy backend a graph run inside autocast would compute in bfloat16."""
         size, parts = self.config.per_device_train_batch_size, []
-        with torch.no_grad():
-            for begin in range(0, batch["input_ids"].shape[0], size):
-                part = {k: v[begin:begin + size] for k, v in batch.items() if torch.is_tensor(v)}
+        for begin in range(0, batch["input_ids"].shape[0], size):
+            part = {k: v[begin:begin + size] for k, v in batch.items() if torch.is_tensor(v)}
+            with torch.no_grad(), self.loop.forward_context():
                 parts.append(self._logps(module, part)[0])
-                self.loop.accelerator.mark_step()
+            self.loop.accelerator.mark_step()
         return torch.cat(parts)
 
     def _split(self, batch: dict, generation: int, num_items: torch.Tensor, seen: int) -> list[dict]:

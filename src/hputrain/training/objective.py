@@ -45,8 +45,9 @@ class Loop:
     """What a forward runs under: the device's needs, context parallelism, autocast."""
     on_device: Callable[[], contextlib.AbstractContextManager]
     """The model on this rank's device for the duration (a no-op inside train())."""
-    place_frozen: Callable[[torch.nn.Module], torch.nn.Module]
-    """A frozen module (a reference) on the device in the policy's precision, sharded like it."""
+    place_frozen: Callable[..., torch.nn.Module]
+    """A frozen module (a reference) on the device in the policy's precision, sharded like it;
+    `like_trained=True` keeps the policy's dtype too (Precision.convert_frozen)."""
     device_scalar: Callable[[float], torch.Tensor]
     """A number copied to the device as graph input data (no new lazy graph when it changes)."""
 

@@ -496,10 +496,11 @@ class Trainer(CallbackHost):
                     forward_context=self._forward_context, on_device=self._model_on_device,
                     place_frozen=self._place_frozen, device_scalar=self._on_device_scalar)
 
-    def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+    def _place_frozen(self, module: torch.nn.Module, like_trained: bool = False) -> torch.nn.Module:
         """A frozen module (a reference) on this rank's device, sharded like the policy under
-        fsdp, stored in bf16 under bf16 (Precision.convert_frozen)."""
-        return self.strategy.place_frozen(self.precision.convert_frozen(module), self.device)
+        fsdp, stored in bf16 under bf16 unless `like_trained` (Precision.convert_frozen)."""
+        return self.strategy.place_frozen(self.precision.convert_frozen(module, like_trained),
+                                          self.device)
 
     def train_batches(self) -> MicroBatches:
         """The run's batch source, as train() iterates it (the doctor walks it without the model)."""
