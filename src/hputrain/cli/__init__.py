@@ -1,4 +1,5 @@
-"""The `hputrain` command line. Bad input prints one line and exits 2, never a traceback."""
+"""The `hputrain` command line. Bad input prints one line and exits 2, never a traceback; in a job of
+several processes, one line for the whole job (distributed/failure.py)."""
 from __future__ import annotations
 
 import argparse
@@ -207,12 +208,21 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         _force_cpu(args)
         return args.func(args)
-    except InputError as exc:
-        print(f"hputrain: error: {exc}", file=sys.stderr)
+    except InputError as exc:  # one line (said once for the whole job: distributed/failure.py)
+        from ..distributed import failure
+
+        failure.say(f"hputrain: error: {exc}", 2)
         return 2
     except KeyboardInterrupt:
         print("hputrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # another rank failed first: this is only its echo, said by that rank
+        from ..distributed import failure
+
+        if failure.peer_failure() is not None:
+            return failure.ENDED_BY_PEER
+        failure.record(f"{type(exc).__name__}: {exc}", 1)
+        raise
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

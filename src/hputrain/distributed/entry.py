@@ -1,8 +1,9 @@
 """What `hputrain launch` runs in each process: the user's script (or `-m module`), under
 torchelastic's error recording, so that a rank that fails is reported by the launcher with its
 rank and its error, not only an exit code: the exception it raised, or, when it exits with a
-non-zero status instead (`hputrain train` prints one line and exits 2), the last line it wrote to
-stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL.
+non-zero status instead, the one line `hputrain train` leaves to the launcher (bad input: exit 2,
+failure.py), else the last line it wrote to stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL. A worker
+that ends only because another rank failed ends quietly (failure.py).
 
 A worker that is done ends without the interpreter's final teardown (see `leave`): a backend's
 threads, still finishing the last collective, would otherwise abort it with SIGABRT at exit."""
@@ -20,19 +21,32 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .launch import LAUNCHER_PID
+from . import failure
+from .launch import LAUNCHER_PID, stderr_kept_in_files
 
 
 @record
 def main() -> None:
     _die_with_launcher()
+    failure.leave_line_to_launcher(not stderr_kept_in_files())
     stderr = sys.stderr = _LastLine(sys.stderr)
     try:
         _run(sys.argv[1:])
     except SystemExit as exit_:
-        if exit_.code not in (0, None):
-            _record_exit(exit_.code if isinstance(exit_.code, str) else stderr.last)
+        if exit_.code == failure.ENDED_BY_PEER:  # `hputrain train` found another rank failed first
+            _record_exit("", peer=failure.peer_failure())
+        elif exit_.code not in (0, None):
+            line = exit_.code if isinstance(exit_.code, str) else failure.own_line() or stderr.last
+            failure.record(line, exit_.code if isinstance(exit_.code, int) else 1)
+            _record_exit(line)
         raise
+    except Exception as error:  # a script's: the echo of another rank's failure ends quietly
+        peer = failure.peer_failure()
+        if peer is None:
+            failure.record(f"{type(error).__name__}: {error}", 1)
+            raise
+        _record_exit("", peer=peer)
+        raise SystemExit(failure.ENDED_BY_PEER) from None
 
 
 def _run(argv: list[str]) -> None:
@@ -61,14 +75,17 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before prctl took effect
 
 
-def _record_exit(line: str) -> None:
+def _record_exit(line: str, peer: dict | None = None) -> None:
     """Write the error file torch's agent reads for this rank (torchelastic's format), with `line`
-    as the message."""
+    as the message; `peer`, when this rank ended because another failed, is that failure
+    (failure.py), for the launcher of a node that has no failed rank of its own."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    if peer is not None:
+        line = f"ended because rank {peer['rank']} failed" if peer["rank"] is not None else peer["line"]
     message = {"message": line or "exited with no message on stderr",
-               "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}
+               "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time())), "peer": peer}}
     with open(path, "w") as f:
         json.dump({"message": message}, f)
 

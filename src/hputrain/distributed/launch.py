@@ -5,7 +5,9 @@ NODE_RANK on every node and run the same command).
 Single-node runs bind the rendezvous to 127.0.0.1, not to every interface. SIGTERM or SIGINT to
 the launcher is passed on to every worker, which saves and exits; the launcher then exits
 128 + the signal (143, 130), as it does when a rank is stopped by a signal itself: a requested
-stop, never restarted. The workers die with the launcher, even under kill -9 (see entry.py).
+stop, never restarted. The workers die with the launcher, even under kill -9 (see entry.py). A
+rank that fails ends the job with its line, said here once, naming it; the ranks that ended only
+because of it say nothing (failure.py).
 torch's elastic agent logs only when LOGLEVEL asks it to.
 """
 from __future__ import annotations
@@ -19,11 +21,13 @@ import sys
 import threading
 
 from ..errors import InputError
+from .failure import ENDED_BY_PEER
 
 LOOPBACK = "127.0.0.1"
 LAUNCHER_PID = "HPUTRAIN_LAUNCHER_PID"  # entry.py: the process a worker must die with
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 BAD_INPUT = 2  # a worker's exit status for bad input (one line on stderr), passed on by the launcher
+LINE_CHARS = 2000  # of a failed rank's line: a line of bad input is said whole
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torch's agent catches these
 
 
@@ -87,6 +91,12 @@ def _logs_specs():
                                 tee=Std.from_str(os.environ.get("PET_TEE") or "0"))
     except ValueError as exc:
         raise InputError(f"PET_REDIRECTS / PET_TEE: {exc}") from None
+
+
+def stderr_kept_in_files() -> bool:
+    """Whether a worker's stderr also goes to a file of its own (PET_REDIRECTS or PET_TEE, see
+    `_logs_specs`), where its error line belongs beside the launcher's."""
+    return any(os.environ.get(name, "0") not in ("", "0") for name in ("PET_REDIRECTS", "PET_TEE"))
 
 
 def _rendezvous_endpoint(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None):
@@ -208,7 +218,7 @@ def stop_signal(failures: dict) -> signal.Signals | None:
 def _report(failures: dict) -> int:
     """The exit status of a finished run, with one line on stderr when it did not succeed: 128 +
     the signal that stopped it, 2 when every rank that failed of its own exited 2 (bad input, one
-    line each), else 1."""
+    line each), else 1. Ranks that only ended because another failed (failure.py) say nothing."""
     if not failures:
         return 0
     stop = stop_signal(failures)
@@ -216,25 +226,43 @@ def _report(failures: dict) -> int:
         exits = ", ".join(f"rank {rank} exited {failures[rank].exitcode}" for rank in sorted(failures))
         print(f"hputrain launch: stopped by {stop.name} ({exits}); exit {128 + stop}", file=sys.stderr)
         return 128 + stop
-    failed = own_failures(failures)
-    for line in failure_lines(failures):
+    failed = own_failures(failures) or _failure_elsewhere(failures)
+    for line in failure_lines(failures, failed):
         print(f"hputrain launch: {line}", file=sys.stderr)
     return BAD_INPUT if all(process.exitcode == BAD_INPUT for _, process in failed) else 1
 
 
 def own_failures(failures: dict) -> list[tuple[int, object]]:
-    """(rank, failure), the first failure first, without the ranks that only stopped because the
-    launcher ended the job after another failed (SIGTERM from torch's agent)."""
+    """(rank, failure), the first failure first, without the ranks that only ended because
+    another failed: stopped by torch's agent (SIGTERM) after it, or ended by failure.py's
+    ENDED_BY_PEER. Empty when every rank here ended so (the failure was on another node)."""
     ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    if len(failures) == 1:
+    if len(failures) == 1 and ordered[0][1].exitcode != ENDED_BY_PEER:
         return ordered
-    return [(rank, process) for rank, process in ordered if stop_signal({rank: process}) is None]
+    return [(rank, process) for rank, process in ordered
+            if stop_signal({rank: process}) is None and process.exitcode != ENDED_BY_PEER]
 
 
-def failure_lines(failures: dict) -> list[str]:
-    """'rank R failed (exit code C): its error' for each of `own_failures`."""
+def _failure_elsewhere(failures: dict) -> list[tuple[int, object]]:
+    """The failure of a rank on another node, as the ranks here that it ended learned it from
+    the job's store (entry.py writes it in their error files): [(its rank, its exit code and
+    line)]; or, when none learned it, every rank here."""
+    from types import SimpleNamespace
+
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    for _, process in ordered:
+        written = getattr(process, "error_file_data", None) or {}
+        peer = ((written.get("message") or {}).get("extraInfo") or {}).get("peer")
+        if peer and peer.get("rank") is not None:
+            return [(peer["rank"], SimpleNamespace(exitcode=peer["status"], message=peer["line"]))]
+    return ordered
+
+
+def failure_lines(failures: dict, failed: list[tuple[int, object]] | None = None) -> list[str]:
+    """'rank R failed (exit code C): its error' for each of `failed` (default `own_failures`)."""
+    failed = own_failures(failures) if failed is None else failed
     return [f"rank {rank} failed (exit code {process.exitcode}): {error_line(process.message)}"
-            for rank, process in own_failures(failures)]
+            for rank, process in failed]
 
 
 def error_line(message) -> str:
@@ -245,7 +273,7 @@ def error_line(message) -> str:
     message = str(message).strip()
     if not message or message.startswith("To enable traceback"):  # torch's text when it knows nothing
         return "exited without an error message (see its output above)"
-    return message.splitlines()[0][:300]
+    return message.splitlines()[0][:LINE_CHARS]
 
 
 @contextlib.contextmanager
