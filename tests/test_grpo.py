@@ -4,6 +4,7 @@ forward (every position's logits, tempered, gathered at the completion tokens) f
 resumed one, and a reward that must rise when the policy learns."""
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -134,6 +135,53 @@ def test_rollouts_have_one_shape_and_groups_share_a_prompt(folder, tmp_path):
         for group in range(2):  # num_generations completions of one prompt, side by side
             assert len(set(prompts[4 * group:4 * group + 4])) == 1
             assert len(set(answers[4 * group:4 * group + 4])) == 1
+
+
+def test_completions_end_at_every_end_id_of_the_generation_config(folder, tmp_path):
+    """Issue 39 item 4: as TRL, generation stops at the tokenizer's eos and at each id of the
+    model's generation_config.eos_token_id (a chat model's end of turn), and those ids decide the
+    completion mask, which completions are truncated (clipped_ratio, mask_truncated_completions)
+    and what the reward functions see. The reference: the same rollout (same seed) with eos only,
+    cut by hand after the first end id."""
+    rows = [{"prompt": p} for p in PROMPTS]
+
+    def rollout(end_ids=None):
+        model, tokenizer = load(folder)
+        if end_ids is not None:
+            model.generation_config.eos_token_id = end_ids
+        seen = []
+
+        def record(prompts, completions, completion_ids, **_):
+            seen.extend(completion_ids)
+            return [0.0] * len(completion_ids)
+
+        trainer = GRPOTrainer(model, config(tmp_path, mask_truncated_completions=True),
+                              reward_funcs=[record], train_dataset=rows, processing_class=tokenizer)
+        batch = next(trainer.train_batches().iterate(0))
+        return seen, trainer.objective.rollout_metrics[-1], batch, tokenizer
+
+    free, _, _, tokenizer = rollout()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    # an "end of turn": the token the untrained model writes most often early in its completions
+    counts = collections.Counter(t for ids in free for t in ids[1:8] if t not in (eos, pad))
+    turn_end = counts.most_common(1)[0][0]
+    ended, metrics, batch, _ = rollout([eos, turn_end])
+
+    def cut(ids):
+        ends = [i for i, t in enumerate(ids) if t in (eos, turn_end)]
+        return ids[:ends[0] + 1] if ends else ids
+
+    expected = [cut(ids) for ids in free]
+    assert ended == expected
+    assert sum(map(len, expected)) < sum(map(len, free))  # some stopped at the end of turn
+    truncated = [ids[-1] not in (eos, turn_end, pad) for ids in expected]
+    assert 0 < sum(truncated) < len(truncated)
+    assert metrics["completions/clipped_ratio"] == pytest.approx(sum(truncated) / len(truncated))
+    lengths = [len(ids) for ids, t in zip(expected, truncated) if not t]
+    assert metrics["completions/mean_terminated_length"] == pytest.approx(sum(lengths) / len(lengths))
+    # mask_truncated_completions: a truncated completion counts no token (rows are shuffled)
+    counted = sorted(0 if t else len(ids) for ids, t in zip(expected, truncated))
+    assert sorted(batch["completion_mask"].sum(1).tolist()) == counted
 
 
 def test_bad_input_is_one_line(folder, tmp_path):

@@ -161,6 +161,15 @@ class Rollout:
     """Wall time of the rollout, up to the tokens being ready."""
 
 
+def end_token_ids(eos_token_id, generation_eos) -> list[int]:
+    """Where a model's generation ends, as TRL's GRPOTrainer stops it: the tokenizer's eos
+    (`eos_token_id`), then each id of its generation config's eos_token_id (`generation_eos`: an
+    id or a list, where chat models name their end of turn: Llama 3's <|eot_id|>, Qwen's
+    <|im_end|>); each once, None left out."""
+    listed = generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    return list(dict.fromkeys(i for i in (eos_token_id, *listed) if isinstance(i, int)))
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
     """TRL's completion mask of (B, C) ids: ones up to and including the first of `eos_ids`."""
     is_eos = (completion_ids[:, :, None] == eos_ids).any(dim=-1)

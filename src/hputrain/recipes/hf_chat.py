@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..data.chat import ChatTemplate
 from ..errors import InputError
-from ..execution.generation import Sampling, StaticGenerator
+from ..execution.generation import Sampling, StaticGenerator, end_token_ids
 
 
 @dataclass
@@ -34,10 +34,9 @@ class ChatAnswer:
 
 
 def stop_token_ids(tokenizer, model_eos) -> list[int]:
-    """eos (the tokenizer's and the model's generation config's) and the chat template's
-    end-of-turn marker, when it is a single token; in that order, each once."""
-    ids = [tokenizer.eos_token_id]
-    ids += model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
+    """eos (the tokenizer's and the model's generation config's: end_token_ids, GRPO's) and the
+    chat template's end-of-turn marker, when it is a single token; in that order, each once."""
+    ids = end_token_ids(tokenizer.eos_token_id, model_eos)
     marker = ChatTemplate(tokenizer).end_of_turn()
     if marker is not None:
         encoded = tokenizer.encode(marker, add_special_tokens=False)

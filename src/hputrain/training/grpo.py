@@ -26,7 +26,8 @@ import torch
 
 from ..config.grpo import GRPOConfig, generation_layout
 from ..errors import InputError
-from ..execution.generation import Sampling, StaticGenerator, attention_mask, completion_mask, mask_kind
+from ..execution.generation import (Sampling, StaticGenerator, attention_mask, completion_mask,
+                                    end_token_ids, mask_kind)
 from .grpo_eval import EvalPlan, EvalRollouts, first_batch
 from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
                         reward_metrics)
@@ -161,13 +162,16 @@ class GRPOObjective(Objective):
         if self.reference is not None:  # in the policy's dtype: at the start their KL is 0
             self.reference = loop.place_frozen(self.reference, like_trained=True)
         tokenizer = self.tokenizer
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        # every end the model's generation config names (a chat model's end of turn), as TRL
+        generation = getattr(loop.model, "generation_config", None)
+        self.eos_ids = end_token_ids(tokenizer.eos_token_id, getattr(generation, "eos_token_id", None))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            next(iter(self.eos_ids), None)
         self.pad = pad
         self.mask_kind = mask_kind(loop.model)  # the training forward's 4-D mask (_logps)
         self.generator = StaticGenerator(loop.model, loop.accelerator,
                                          max_completion_length=cfg.max_completion_length,
-                                         eos_token_ids=[eos], pad_token_id=pad,
+                                         eos_token_ids=self.eos_ids, pad_token_id=pad,
                                          buckets=tuple(cfg.prompt_buckets),
                                          graphs=cfg.use_graphs_for_inference)
         self.log = (CompletionsLog(f"{cfg.output_dir}/completions.jsonl") if group.is_main else None)
@@ -205,7 +209,8 @@ class GRPOObjective(Objective):
         ids, ended = torch.stack([completion_ids, mask.to(completion_ids.dtype)]).cpu().unbind(0)
         ended = ended.bool()
         tokens_kept = [row[m].tolist() for row, m in zip(ids, ended)]
-        truncated = [not any(t == self.tokenizer.eos_token_id for t in k) for k in tokens_kept]
+        ends = {*self.eos_ids, self.pad}  # TRL's: a completion whose last token is none of these
+        truncated = [k[-1] not in ends for k in tokens_kept]
         data = [source[kept[r]] for r in rows]
         prompts = [row["prompt"] for row in data]
         texts = self.tokenizer.batch_decode(tokens_kept, skip_special_tokens=True)
@@ -245,7 +250,7 @@ class GRPOObjective(Objective):
             for i, tokens in enumerate(fixed):
                 ids[i, :len(tokens)] = torch.tensor(tokens[:width], dtype=torch.long)
             ids = ids.to(loop.device)
-            mask = completion_mask(ids, torch.tensor([self.tokenizer.eos_token_id], device=loop.device))
+            mask = completion_mask(ids, self.generator.eos)
             return prompt_ids, prompt_mask, ids, mask
         seed = (self.config.seed * 1_000_003 + generation * 7919 + loop.group.rank) % 2**62
         try:
