@@ -271,6 +271,55 @@ def test_header_and_validation_subfolder(tmp_path, capsys, llama_folder):  # noq
     assert any("eval_loss" in r for r in records)
 
 
+BAD_POSITIONS = {  # issue 39 item 12: each a malformed data_state_rank0.json, and what its line says
+    "negative offset": ({"offset": -5}, "offset must be a whole number >= 0, not -5"),
+    "offset as text": ({"offset": "12"}, 'offset must be a whole number >= 0, not "12"'),
+    "row as a float": ({"row": 1.5}, "row must be a whole number >= 0, not 1.5"),
+    "no shard": ({"shard": None}, "shard must be a whole number >= 0, not null"),
+    "pending ids as text": ({"pending": ["1"]}, "pending must be a list of token ids"),
+    "another layout": ({"world_size": 2}, "as many processes as it was saved with"),
+    "another shard": ({"file": "part-009.jsonl"}, "does not hold there"),
+    "mid-line": ({"offset": 3, "row": 1}, "offset 3 is not the start of a line"),
+    "past the end": ({"offset": 10 ** 9}, "past the end"),
+    "not an object": ([], "does not hold a data position"),
+}
+
+
+def test_a_malformed_saved_position_is_one_line_naming_the_file(tmp_path, capsys, llama_folder):  # noqa: F811
+    """A stream position that is not one this rank can continue from (a field of the wrong kind
+    or range, a missing key, another layout or shard, an offset the shard does not start a line
+    at) is one line naming the checkpoint's file, exit 2, before any step; the checkpoint is
+    left as it was. A negative offset was a traceback from seek."""
+    from hputrain.checkpoint import saving as checkpoint
+
+    shards = write_shards(tmp_path / "d", [text_rows(0, 30)])
+    base = ["train", "--cpu", "--model", str(llama_folder), "--dataset", str(shards), "--streaming",
+            "--block-size", "32", "--disable-tqdm", "--save-steps", "2", "--per-device-train-batch-size", "2"]
+    assert main([*base, "--max-steps", "2", "--output-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    saved = json.loads((tmp_path / "run" / "checkpoint-2" / "data_state_rank0.json").read_text())
+    assert set(saved) >= {"epoch", "shard", "file", "row", "offset", "pending", "rank", "world_size"}
+    stream = MicroBatches(stream_of(shards, tiny_tokenizer()), default_collate, batch_size=2)
+    for case, (change, words) in BAD_POSITIONS.items():
+        out = tmp_path / case.replace(" ", "-")
+        shutil.copytree(tmp_path / "run" / "checkpoint-2", out / "checkpoint-2")
+        file = out / "checkpoint-2" / "data_state_rank0.json"
+        bad = {**saved, **change} if isinstance(change, dict) else change
+        file.write_text(json.dumps(bad))
+        with pytest.raises(InputError) as error:  # what the trainer's resume reads it with
+            checkpoint.read_data_state(out / "checkpoint-2", 0, check=stream.check_data_state)
+        assert str(file) in str(error.value) and words in str(error.value), (case, error.value)
+        if case in ("negative offset", "mid-line"):  # the whole run, as a user has it
+            err = error_line(capsys, [*base, "--max-steps", "3", "--output-dir", str(out),
+                                      "--resume-from-checkpoint", "latest"])
+            assert str(file) in err and words in err and "Traceback" not in err, (case, err)
+            assert json.loads(file.read_text()) == bad and not (out / "checkpoint-3").exists(), case
+    checkpoint.read_data_state(tmp_path / "run" / "checkpoint-2", 0, check=stream.check_data_state)
+    missing = {k: v for k, v in saved.items() if k != "epoch"}
+    with pytest.raises(InputError, match="epoch must be a whole number"):  # the stream's own check
+        stream_of(shards, tiny_tokenizer()).load_state_dict(missing)
+
+
 @pytest.mark.slow
 def test_two_processes_resume_exactly(tmp_path, llama_folder):  # noqa: F811
     # rank 1 (shard 1) runs out after 6 micro-batches: both ranks start their second pass there

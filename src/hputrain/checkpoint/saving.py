@@ -65,15 +65,20 @@ def data_state_file(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / f"data_state_rank{rank}.json"
 
 
-def read_data_state(folder: str | os.PathLike, rank: int) -> dict | None:
-    """Rank `rank`'s saved data position, or None when the checkpoint has none for it."""
+def read_data_state(folder: str | os.PathLike, rank: int,
+                    check: Callable[[dict], None] | None = None) -> dict | None:
+    """Rank `rank`'s saved data position, or None when the checkpoint has none for it. `check`,
+    the data's own (MicroBatches.check_data_state), raises ValueError when the position is not one
+    it can continue from: one line naming the file, before anything is read from it."""
     file = data_state_file(folder, rank)
     if not file.exists():
         return None
     with reading(file):
         state = json.loads(file.read_text(encoding="utf-8"))
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file} does not hold a data position (a JSON object).")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file} does not hold a data position (a JSON object).")
+        if check is not None:
+            check(state)
     return state
 
 

@@ -546,6 +546,12 @@ class MicroBatches:
         already trained)."""
         self._resumed = state
 
+    def check_data_state(self, state) -> None:
+        """Raise ValueError (why) unless `state`, read from a checkpoint, is a position this rank's
+        stream can continue from; any state passes for a data set without positions."""
+        if self.own_shards:
+            self.dataset.check_position(state)
+
     def local_stream(self, start_step: int = 0, epochs: int | None = None):
         """Micro-batches of consecutive samples of a rank-local stream, none sliced, each one's
         position remembered (data_state). A pass ends on every rank as soon as one rank's shards

@@ -29,6 +29,7 @@ Rows become samples in one of three ways (`packing`):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -125,6 +126,34 @@ def _parquet_rows(path: Path, row: int) -> Iterator[tuple[dict, int, int]]:
                 yield record, at, 0
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_tokens(value) -> bool:
+    return isinstance(value, list) and all(map(_is_count, value))
+
+
+def _check_offset(shard: Path, offset: int) -> None:
+    """Raise ValueError unless `offset` is where a line of a JSON Lines shard starts (Parquet
+    positions have none): a shard changed since the checkpoint would be read from mid-line."""
+    if offset == 0 or shard.suffix.lower() == ".parquet":
+        return
+    try:
+        with open(shard, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            handle.seek(min(offset, size) - 1)
+            before = handle.read(1)
+    except OSError as exc:
+        raise ValueError(f"its shard {shard} cannot be read: {exc.strerror}") from None
+    if offset > size:
+        raise ValueError(f"its offset {offset} is past the end of {shard} ({size} bytes): the shard "
+                         "changed since the checkpoint was saved")
+    if before != b"\n" and offset < size:  # the end of a last line without its newline is one
+        raise ValueError(f"its offset {offset} is not the start of a line of {shard}: the shard "
+                         "changed since the checkpoint was saved")
+
+
 def first_row(shards: list[Path]) -> tuple[dict, str]:
     """(the first row of the first shard that has one, where it is) to tell the data's shape."""
     for shard in shards:
@@ -179,25 +208,40 @@ class ShardStream(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; one line when it is not a position in these shards
-        with this number of ranks."""
+        with this number of ranks (check_position)."""
         try:
-            same = (state["rank"], state["world_size"]) == (self.rank, self.world_size)
-            shard = state["shard"]
-            known = shard < len(self.shards) and self.shards[shard].name == state["file"]
-            checked = {key: state[key] for key in ("epoch", "row", "offset", "pending")}
-        except (KeyError, TypeError, IndexError):
-            raise InputError("the checkpoint's stream position cannot be read: resume without "
-                             "--streaming's saved position (a fresh output_dir)") from None
-        if not same:
-            raise InputError(f"the checkpoint's stream position is rank {state['rank']} of "
-                             f"{state['world_size']}, this is rank {self.rank} of {self.world_size}: "
-                             "resume a --streaming run on as many processes as it was saved with")
-        if not known:
-            raise InputError(f"the checkpoint's stream position names shard {state['file']!r} "
-                             f"(number {shard} of rank {self.rank}), which this --dataset does not "
-                             "hold there: resume with the same shards")
-        self._state = self._at(checked["epoch"], shard, checked["row"], checked["offset"],
-                               checked["pending"])
+            self.check_position(state)
+        except ValueError as error:
+            raise InputError(f"the checkpoint's stream position: {error}") from None
+        self._state = self._at(state["epoch"], state["shard"], state["row"], state["offset"],
+                               state["pending"])
+
+    def check_position(self, state) -> None:
+        """Raise ValueError (the reason, in words) unless `state` is a position this rank can
+        continue from: every field of its kind (a crafted or damaged file would seek to a
+        negative offset, or index with a string), saved by this rank of as many, in a shard this
+        rank reads, at the start of a line of it."""
+        if not isinstance(state, dict):
+            raise ValueError("it is not a JSON object")
+        whole = {"epoch": 0, "shard": 0, "row": 0, "offset": 0, "rank": 0, "world_size": 1}
+        for key, least in whole.items():
+            value = state.get(key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"{key} must be a whole number >= {least}, not {json.dumps(value)[:40]}")
+        pending = state.get("pending")
+        tokens = self.packing == "text"
+        if not (_is_tokens(pending) if tokens else _is_count(pending)):
+            raise ValueError(f"pending must be {'a list of token ids' if tokens else 'a whole number >= 0'}"
+                             f", not {json.dumps(pending)[:40]}")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"it is rank {state['rank']} of {state['world_size']}'s position, and this "
+                             f"is rank {self.rank} of {self.world_size}: resume a --streaming run on as "
+                             "many processes as it was saved with")
+        shard, name = state["shard"], state.get("file")
+        if shard >= len(self.shards) or self.shards[shard].name != name:
+            raise ValueError(f"it names shard {str(name)[:80]!r} (number {shard} of rank {self.rank}), "
+                             "which this --dataset does not hold there: resume with the same shards")
+        _check_offset(self.shards[shard], state["offset"])
 
     def next_epoch(self) -> None:
         """Start the next pass over this rank's shards (what is pending is dropped)."""

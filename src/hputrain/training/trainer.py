@@ -579,7 +579,8 @@ class Trainer(CallbackHost):
                                            rank=self.group.rank,
                                            state_io=checkpoint.state_io_for(self.strategy))
         if batches is not None:  # a stream that reads its own shards continues where it was
-            batches.load_state_dict(checkpoint.read_data_state(folder, self.group.rank))
+            batches.load_state_dict(checkpoint.read_data_state(
+                folder, self.group.rank, check=getattr(batches, "check_data_state", None)))
         self.accelerator.mark_step()
         return state
 
