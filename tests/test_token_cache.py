@@ -179,6 +179,29 @@ def test_a_bad_worker_count_is_one_line():
     assert 1 <= token_store.check_workers(None) <= token_store.MAX_DEFAULT_WORKERS
 
 
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_a_file_system_without_locks_is_one_line_naming_the_folder(tmp_path, tokenizer, monkeypatch,
+                                                                    code):
+    """Issue 39 item 12: flock refused (some NFS and Lustre mounts) is one line naming the cache
+    folder and the way out (--cache-dir on a local disk) (an InputError: the CLI's exit 2);
+    nothing is written under the cache's name. It was a traceback."""
+    import errno
+    import fcntl
+
+    def refused(handle, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat_row(i) for i in range(20)])
+    cache = tmp_path / "nfs" / "cache"
+    with pytest.raises(InputError, match="without file locks") as error:
+        hf_sft.load_sft(str(path), "messages", tokenizer, 160, options(), cache_dir=cache)
+    message = str(error.value)
+    assert str(cache) in message and "--cache-dir on a local disk" in message
+    assert os.strerror(getattr(errno, code)) in message
+    assert not [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+
+
 # -- several processes ----------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -68,7 +68,13 @@ def node_lock(cache: Path):
         raise InputError(f"the token cache {cache.parent} cannot be written: {exc.strerror}: choose "
                          "another --cache-dir or output_dir") from None
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP, ENOSYS: some NFS and Lustre mounts
+            raise InputError(f"the token cache {cache.parent} is on a file system without file "
+                             f"locks (flock: {exc.strerror}), which the processes of a node take "
+                             "turns through: choose a --cache-dir on a local disk (each node then "
+                             "makes its own)") from None
         try:
             yield
         finally:
