@@ -4,14 +4,16 @@ single-process reference.
 
     fsdp_script.py OUTPUT_DIR PER_DEVICE_BATCH STRATEGY [--fsdp MODE] [--accumulate K]
         [--checkpointing] [--meta] [--bf16] [--fp8 --width 64] [--text] [--compile] [--offload]
-        [--devices N] [--num-nodes M]
+        [--devices N] [--num-nodes M] [--llama untied|tied]
 
 Global rank 0 writes OUTPUT_DIR/weights.pt (the full weights after training, gathered from the
 shards), OUTPUT_DIR/initial.pt (the full weights before the first step) and OUTPUT_DIR/layout.json
 (how the first block's MLP weight is placed, which layers compute in fp8, whether the model ran
-compiled).
+compiled, which modules are FSDP units of their own). --llama trains a tiny Hugging Face Llama
+(tests/hf_fixtures.py's shape, 256 tokens) with untied or tied embeddings instead of the GPT.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,6 +42,24 @@ def text():
     from hputrain.data.batching import load_corpus
 
     return load_corpus(seq_len=16, max_bytes=100_000)[0]
+
+
+def llama(tied: bool, meta: bool):
+    """A tiny LlamaForCausalLM (vocabulary 256, as data() draws), drawn under the current seed."""
+    import transformers
+
+    from tests.hf_fixtures import tiny_llama_config
+
+    config = tiny_llama_config(256, tie_word_embeddings=tied)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return transformers.LlamaForCausalLM(config)
+
+
+def fsdp_units(model) -> list[str]:
+    """The names of the modules fully_shard made units of ("" the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
 
 
 def compiled_graphs() -> int:
@@ -71,10 +91,13 @@ def main(argv=None):
     p.add_argument("--reshard", choices=["true", "false"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--llama", choices=["untied", "tied"])
     opts = p.parse_args(argv)
     torch.manual_seed(0)
     gpt_config = dataclasses.replace(CONFIG, n_embd=opts.width)  # fp8 takes Linear layers of 64 and up
-    if opts.meta:
+    if opts.llama:
+        model = llama(opts.llama == "tied", opts.meta)
+    elif opts.meta:
         with torch.device("meta"):
             model = GPT(gpt_config)
     else:
@@ -102,11 +125,12 @@ def main(argv=None):
     trainer.train()
     final = full_weights(model)
     if trainer.group.is_main:
-        weight = model.blocks[0].mlp.fc.weight
+        weight = model.model.layers[0].mlp.up_proj.weight if opts.llama else model.blocks[0].mlp.fc.weight
         layout = {"placements": [str(p) for p in getattr(weight, "placements", ())],
                   "local_rows": weight.to_local().shape[0] if hasattr(weight, "to_local") else None,
                   "dtype": str(weight.dtype), "fp8_layers": getattr(trainer.precision, "layers", []),
-                  "wrapper": type(trainer.wrapped).__name__, "graphs": compiled_graphs()}
+                  "wrapper": type(trainer.wrapped).__name__, "graphs": compiled_graphs(),
+                  "units": fsdp_units(model)}
         with open(os.path.join(opts.output_dir, "layout.json"), "w") as f:
             json.dump(layout, f)
         torch.save(initial, os.path.join(opts.output_dir, "initial.pt"))

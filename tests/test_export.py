@@ -248,3 +248,47 @@ def test_two_process_fsdp_save_model_gathers_the_shards(tmp_path, kind):
     expected = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
     torch.testing.assert_close(logits(reloaded, reloaded.config.vocab_size), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_shard_size", [pytest.param(None, marks=pytest.mark.slow), 40_000])
+def test_fsdp_export_and_consolidate_hold_one_whole_tensor_at_a_time(tmp_path, max_shard_size):
+    """Issue 39 item 15: rank 0 writes final/ (export.save_model) and a checkpoint's
+    model.safetensors (ShardedState.consolidate) of a 2-rank fsdp Llama gathering, writing and
+    dropping one tensor at a time: the most bytes alive at once that the write made on rank 0 is
+    its largest tensor, and less than twice it (the whole model before), and both files hold torch's full state dict,
+    final/ laid out as transformers' own save_pretrained lays out those weights (one file, or
+shards and an index past max_shard_size), and from_pretrained loading it."""
+    from .test_distributed import hputrain_launch
+
+    script = Path(__file__).parent / "streamed_export_script.py"
+    extra = [] if max_shard_size is None else ["--max-shard-size", str(max_shard_size)]
+    proc, _ = hputrain_launch("--nproc-per-node", "2", "--cpu", str(script), str(tmp_path), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = json.loads((tmp_path / "peaks.json").read_text())
+    for written in ("final", "consolidate"):  # the largest tensor, and maybe part of the next
+        assert peaks["largest"] <= peaks[written] < min(2 * peaks["largest"], peaks["model"] / 4), peaks
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    consolidated = load_file(tmp_path / "model.safetensors")
+    assert consolidated.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(consolidated[name], tensor), name
+    from .hf_fixtures import tiny_llama_config
+
+    whole = transformers.LlamaForCausalLM(tiny_llama_config(256, num_hidden_layers=4))
+    whole.load_state_dict(expected)
+    whole.save_pretrained(tmp_path / "reference", max_shard_size=max_shard_size or "5GB")
+    files = sorted(p.name for p in (tmp_path / "final").glob("model*.safetensors"))
+    assert files == sorted(p.name for p in (tmp_path / "reference").glob("model*.safetensors"))
+    assert len(files) == (1 if max_shard_size is None else 6)
+    for file in files:
+        assert load_file(tmp_path / "final" / file).keys() == load_file(tmp_path / "reference" / file).keys()
+    index = "model.safetensors.index.json"
+    if max_shard_size is not None:
+        mine, theirs = (json.loads((tmp_path / d / index).read_text()) for d in ("final", "reference"))
+        assert mine == theirs
+    assert (tmp_path / "final" / index).exists() == (max_shard_size is not None)
+    reloaded = load_llama(tmp_path / "final")
+    state = reloaded.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name

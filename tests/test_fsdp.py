@@ -83,6 +83,39 @@ def test_meta_device_init_gives_eager_weights_and_the_same_run(tmp_path, single)
     assert_same_run(single, out)
 
 
+@pytest.fixture(scope="module")
+def llama_single(tmp_path_factory):
+    """One process, doubled batch, the tiny untied Hugging Face Llama."""
+    out = tmp_path_factory.mktemp("llama-single")
+    fsdp_script.main([str(out), "8", "single", "--llama", "untied"])
+    return out
+
+
+def test_untied_embedding_and_head_are_units_of_their_own_and_train_as_one_process(tmp_path, llama_single):
+    """Issue 39 item 15: a Llama with untied embeddings has its input embedding and its head
+    sharded as units of their own (the embedding not gathered again in backward), and 2 ranks
+    still train as one process with the doubled batch."""
+    out = launch(tmp_path, "4", "fsdp", "--llama", "untied")
+    assert layout(out)["units"] == ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    assert_same_run(llama_single, out)
+
+
+@pytest.mark.slow
+def test_tied_embedding_and_head_stay_in_the_root_and_train_as_one_process(tmp_path):
+    reference = tmp_path / "single"
+    fsdp_script.main([str(reference), "8", "single", "--llama", "tied"])
+    out = launch(tmp_path / "fsdp", "4", "fsdp", "--llama", "tied")
+    assert layout(out)["units"] == ["", "model.layers.0", "model.layers.1"]
+    assert_same_run(reference, out)
+
+
+@pytest.mark.slow
+def test_untied_units_with_activation_checkpointing_equal_one_process(tmp_path, llama_single):
+    out = launch(tmp_path, "4", "fsdp", "--llama", "untied", "--checkpointing")
+    assert "model.embed_tokens" in layout(out)["units"]
+    assert_same_run(llama_single, out)
+
+
 def test_accumulation_and_checkpointing_equal_plain_fsdp(tmp_path, fsdp_two):
     """Two micro-batches of 2 (no reduce-scatter on the first) with every block checkpointed:
     the same run as one micro-batch of 4 without checkpointing."""

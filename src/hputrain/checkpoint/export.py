@@ -10,9 +10,13 @@
 - any other module: model.safetensors alone, each tensor once.
 The tokenizer, when given, is saved beside it with its own `save_pretrained`.
 
-The libraries' writers get the state dict gathered first (host.gathered_state): under fsdp
-each rank holds a shard of every parameter, so every rank must call `save_model` (gathering is a
-collective) and only the main rank writes. The folder is assembled in a hidden `.tmp-NAME`
+Under fsdp each rank holds a shard of every parameter, so every rank must call `save_model`
+(gathering is a collective) and only the main rank writes. A sharded whole model is never held
+gathered: its library's writer, given no tensors, writes the folder's other files, and its
+weights are gathered, written and dropped one tensor at a time (streamed.py), into the files the
+library would write (the same names, split at max_shard_size as transformers splits, with its
+index). A PEFT model's adapter, and a transformers model that renames its weights on saving, go
+through the library's writer with the state dict gathered first (host.gathered_state). The folder is assembled in a hidden `.tmp-NAME`
 beside it and renamed into place (an existing folder of that name is replaced only then), so a
 crash leaves the old folder or the new one, never half of one. Ranks then agree on whether the
 write worked, so a failure on the main rank is an error on every rank rather than a hang.
@@ -117,17 +121,125 @@ def save_model(model: torch.nn.Module, folder, tokenizer=None, group=None,
     folder = Path(folder).expanduser()
     _check_arguments(folder, tokenizer)
     model = unwrap_model(model)
-    # a PEFT model's base is frozen and already on disk: only the adapter is gathered
-    state = gathered_state(model, trainable_only=is_peft_model(model) and is_sharded(model))
-    failure = None
-    if group is None or group.is_main:
-        try:
-            _write_folder(model, folder, state, tokenizer, max_shard_size)
-        except OSError as exc:  # a read-only or full disk, a parent that is a file
-            failure = InputError(f"Cannot save the model to {folder}: {os_reason(exc)}.")
-        except InputError as exc:
-            failure = exc
+    main = group is None or group.is_main
+    layout = streamed_layout(model, max_shard_size)
+    if layout is not None:  # a sharded whole model: gathered and written one tensor at a time
+        failure = _saved(lambda: _write_streamed(model, folder, layout, tokenizer, main), folder)
+    else:
+        # a PEFT model's base is frozen and already on disk: only the adapter is gathered
+        state = gathered_state(model, trainable_only=is_peft_model(model) and is_sharded(model))
+        failure = _saved(lambda: _write_folder(model, folder, state, tokenizer, max_shard_size),
+                         folder) if main else None
     if _any_failed(group, failure is not None):
         raise failure or InputError(f"Cannot save the model to {folder}: the main process failed "
                                     "to write it (its message says why).")
     return folder
+
+
+def _saved(write, folder: Path) -> InputError | None:
+    """None once `write()` has written the folder, else the one-line InputError saying why."""
+    try:
+        write()
+    except OSError as exc:  # a read-only or full disk, a parent that is a file
+        return InputError(f"Cannot save the model to {folder}: {os_reason(exc)}.")
+    except InputError as exc:
+        return exc
+    return None
+
+
+# -- a sharded model, streamed ---------------------------------------------------------------------
+
+def streamed_layout(model: torch.nn.Module, max_shard_size) -> dict[str, dict] | None:
+    """For a sharded model (fsdp) saved whole, the files its weights go to, {file name: {name:
+    tensor}} (sharded, not yet gathered), laid out as its library's writer lays them out: the
+    names each once (a tied weight under its first), split past `max_shard_size` by
+    huggingface_hub's own splitter, as transformers splits. None where the library's writer
+    must see the gathered state: a model that is not sharded (it is whole already), a PEFT
+    model (its adapter is small), and a transformers model that renames its weights on saving
+    (revert_weight_conversion: MoE experts stored unfused)."""
+    from .streamed import each_once_by_identity
+
+    if not is_sharded(model) or is_peft_model(model):
+        return None
+    entries = each_once_by_identity(model)
+    if _is_instance(model, "transformers", "PreTrainedModel") and _renamed_on_save(model, entries):
+        return None
+    placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    if not _is_instance(model, "transformers", "PreTrainedModel"):
+        return {MODEL_FILE: entries}  # one file, as the built-in GPT's and safetensors' writers write
+    split = split_torch_state_dict_into_shards(placeholders, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    layout = {file: {name: entries[name] for name in names}
+              for file, names in split.filename_to_tensors.items()}
+    if split.is_sharded:
+        layout[INDEX_FILE] = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    return layout
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _renamed_on_save(model, entries: dict) -> bool:
+    """Whether transformers' save_pretrained would write other names than `entries`'."""
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions renames nothing
+        return False
+    placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+    try:
+        return set(revert_weight_conversion(model, dict(placeholders))) != set(placeholders)
+    except Exception:  # noqa: BLE001 - whatever it cannot do on placeholders: the gathered path
+        return True
+
+
+def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) -> None:
+    """Every rank: the weights of `layout` gathered one tensor at a time; the main rank writes
+    them, the library's own files (its writer given no tensors: config.json,
+    generation_config.json) and the tokenizer into `.tmp-NAME`, then renames it into place. A
+    failure on the main rank is raised once every gather is done (the others are in them)."""
+    from .streamed import write_safetensors
+
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    failure = None
+    if main:
+        failure = _attempt(lambda: _start_folder(model, tmp))
+    for file, entries in layout.items():
+        if file != INDEX_FILE:
+            path = tmp / file if main and failure is None else None
+            failure = _attempt(lambda: write_safetensors(path, entries, metadata={"format": "pt"})) or failure
+    if main and failure is None:
+        failure = _attempt(lambda: _end_folder(model, tmp, folder, layout, tokenizer))
+    if failure is not None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failure
+
+
+def _attempt(step) -> BaseException | None:
+    try:
+        step()
+    except (OSError, InputError) as exc:
+        return exc
+    return None
+
+
+def _start_folder(model, tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_weights(model, tmp, {}, max_shard_size="5GB")  # the library's files, an empty weights file
+
+
+def _end_folder(model, tmp: Path, folder: Path, layout: dict, tokenizer) -> None:
+    import json
+
+    if INDEX_FILE in layout:
+        (tmp / MODEL_FILE).unlink(missing_ok=True)  # the library's empty one
+        index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()),
+                              **layout[INDEX_FILE]["metadata"]},
+                 "weight_map": layout[INDEX_FILE]["weight_map"]}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    finalize(tmp, folder)

@@ -30,8 +30,9 @@ from .checks import (check_param_group_kinds, has_frozen_parameters, load_failur
                      trainable_names)
 from .folder import CONFIG_FILE, MODEL_FILE, SHARDED_DIR, TRAINABLE_RECORD, CheckpointError
 from .full import write_trainable_files
-from .host import each_once, gathered_state
+from .host import gathered_state
 from .state import StateIO
+from .streamed import each_once_by_identity, write_safetensors
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # far more than any model's metadata; a bigger file is refused
@@ -245,16 +246,13 @@ class ShardedState(StateIO):
 
     def consolidate(self, path: Path, *, model, rank: int) -> None:
         """Write the whole model to `path` (safetensors) from rank 0: every rank takes part in
-        gathering it, one tensor at a time, each offloaded to the CPU as it arrives. Not for a
-        model with frozen parameters: its base is on disk already, and export.save_model writes
-        what loads (a PEFT adapter folder)."""
+        gathering it, one tensor at a time, which rank 0 writes and drops before the next
+        (streamed.py). Not for a model with frozen parameters: its base is on disk already, and
+        export.save_model writes what loads (a PEFT adapter folder)."""
         if has_frozen_parameters(model):
             return
-        from safetensors.torch import save_file
-
-        full = gathered_state(model)  # gathered onto rank 0 (the others get nothing)
-        if rank == 0:
-            save_file(each_once(full), str(path), metadata={"format": "pt"})
+        write_safetensors(path if rank == 0 else None, each_once_by_identity(model),
+                          metadata={"format": "pt"})
 
 
 def _dcp_model_state(model) -> dict:

@@ -8,6 +8,9 @@ backward) and by sharding (one `fully_shard` per block). The blocks are, in this
 - the built-in GPT's `Block`s.
 
 Blocks come in module order, outermost only: a block inside another block is part of it.
+
+Around the blocks, `end_modules` names the input embedding and the output head (what sharding
+wraps as units of their own), as the model itself reports them.
 """
 from __future__ import annotations
 
@@ -28,6 +31,34 @@ def block_modules(model: nn.Module, class_names: list[str] | None = None) -> lis
     from ..models.gpt import Block
 
     return [module for module in model.modules() if isinstance(module, Block)]
+
+
+def end_modules(model: nn.Module, blocks: list[nn.Module]) -> tuple[nn.Module | None, nn.Module | None]:
+    """(input embedding, output head) of `model` as it reports them (transformers'
+    `get_input_embeddings` / `get_output_embeddings`, forwarded by a PEFT wrapper), each None when
+    the model has none, does not say, it lies inside one of `blocks`, or a weight of it is also
+    another module's. So a head that shares its weight with the embedding (tie_word_embeddings;
+    the built-in GPT, which reports neither) gives (None, None): one matrix used first and last
+    in every step stays in one unit, the root's."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    found = []
+    for method in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, method, lambda: None)()
+        except (NotImplementedError, AttributeError):  # transformers' base raises for some models
+            module = None
+        fits = (isinstance(module, nn.Module) and id(module) not in inside
+                and any(True for _ in module.parameters()) and not _shares_weights(model, module))
+        found.append(module if fits else None)
+    return found[0], found[1]
+
+
+def _shares_weights(model: nn.Module, part: nn.Module) -> bool:
+    """Whether a parameter of `part` is also registered in a module of `model` outside `part`."""
+    own = {id(m) for m in part.modules()}
+    mine = {id(p) for p in part.parameters()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in own
+               for p in m.parameters(recurse=False))
 
 
 def no_split_modules(model: nn.Module) -> set[str]:

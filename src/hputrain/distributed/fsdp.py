@@ -1,5 +1,16 @@
 """strategy="fsdp": PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`), one per transformer
-block (blocks.py) and one on the root, over the mesh's data-parallel dimensions.
+block (blocks.py), one on the input embedding and one on the output head when they are not tied
+(blocks.end_modules), and one on the root (the rest: the final norm, position embeddings), over
+the mesh's data-parallel dimensions.
+
+- the units around the blocks: the embedding is gathered for its forward and freed; its
+  backward needs only the token ids, so it is not gathered again (set_unshard_in_backward).
+  The head is gathered from its forward to its backward, the next thing to run, and its
+  gradient is reduce-scattered and freed before the blocks' backward. A tied embedding and
+  head (one matrix used first and last) stay in the root, gathered from forward to the end of
+  backward. On a Llama with untied embeddings this takes the two vocabulary-sized matrices and
+  their gradients out of what each rank holds gathered through the whole step (torchtitan wraps
+  its models the same way).
 
 - full_shard: parameters, gradients and optimizer state sharded over every data-parallel rank;
   each block's parameters are gathered for its forward and backward and freed after each
@@ -28,7 +39,7 @@ from torch import nn
 
 from ..config.sections import ParallelismSettings
 from ..errors import InputError
-from .blocks import block_modules
+from .blocks import block_modules, end_modules
 from .placement import move_to_device
 from .strategies import Strategy
 
@@ -94,10 +105,19 @@ class FSDP(Strategy):
             raise InputError(f"strategy='fsdp' shards one transformer block at a time, but "
                              f"{type(model).__name__} has none hputrain can find: name their class "
                              "in fsdp_block_classes")
+        embedding, head = end_modules(model, blocks)
+        if embedding is not None:
+            # Used first in forward and last in backward: gathered for its forward, freed, and
+            # (a plain embedding's backward needs only the indices) never gathered in backward.
+            fully_shard(embedding, reshard_after_forward=self.reshard_after_forward, **options)
+            if _backward_needs_no_weights(embedding):
+                embedding.set_unshard_in_backward(False)
         for index, block in enumerate(blocks):
             # The last block's parameters are gathered again at once by backward: keep them.
             last = index == len(blocks) - 1
             fully_shard(block, reshard_after_forward=self.reshard_after_forward and not last, **options)
+        if head is not None:  # the last in forward, the first in backward: kept gathered between
+            fully_shard(head, reshard_after_forward=False, **options)
         fully_shard(model, reshard_after_forward=False, **options)  # the root is used first in backward
 
     def gradient_sync(self, module, sync):
@@ -112,6 +132,13 @@ class FSDP(Strategy):
         fused kernel would take only this rank's shards."""
         norm = accelerator.clip_grad_norm(parameters, max_norm, fused=False)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _backward_needs_no_weights(module: nn.Module) -> bool:
+    """A plain embedding (its one parameter the table; a subclass that scales its output by a
+    constant too): its gradient comes from the indices alone. A LoRA embedding's adapters are
+    needed in backward."""
+    return isinstance(module, nn.Embedding) and [n for n, _ in module.named_parameters()] == ["weight"]
 
 
 def reshard(model: nn.Module) -> None:
@@ -144,6 +171,12 @@ def dp_shard_size(settings: ParallelismSettings, world_size: int) -> int:
     if per_node <= 0 or dp % per_node:
         raise InputError(f"fsdp='hybrid_shard' shards within a node of {per_node} processes, which "
                          f"does not divide the {dp} data-parallel ranks")
+    rank, local = os.environ.get("RANK"), os.environ.get("LOCAL_RANK")
+    if rank and local and int(local) != int(rank) % per_node:  # the mesh's node groups are blocks
+        raise InputError(f"fsdp='hybrid_shard' shards within each node's block of {per_node} "
+                         f"consecutive ranks, and rank {rank} is local rank {local} of its node: the "
+                         "launcher placed the ranks round-robin over the nodes; place them in blocks "
+                         "(mpirun --map-by slot, srun --distribution=block), or use full_shard")
     return per_node
 
 
