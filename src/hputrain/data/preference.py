@@ -219,12 +219,18 @@ def pairs_in(batch) -> int:
 class EncodedPairs:
     """Encoded pairs kept as three flat int32 arrays (token_store.Ragged, memory-mapped when read
     from a cache): a sequence whose items are the dicts `encode_pairs` makes, built when read.
-    `index` picks which pairs, in order (a split held out for validation)."""
+    `index` picks which pairs, in order (a split held out for validation). `ref_logps`, when
+    given, are the pairs' precomputed reference log-probs, kept as an array beside the tokens
+    and added to each item under REF_KEYS."""
 
-    def __init__(self, columns: dict[str, Ragged], index: np.ndarray | None = None) -> None:
+    def __init__(self, columns: dict[str, Ragged], index: np.ndarray | None = None,
+                 ref_logps: np.ndarray | None = None) -> None:
         self.columns = columns
         """PAIR_KEYS -> Ragged."""
         self.index = np.arange(len(columns[PAIR_KEYS[0]])) if index is None else index
+        self.ref_logps = ref_logps
+        """[len, 2] float64, pair i's reference log-probs of its chosen and rejected completions
+        (row i), or None."""
 
     def __len__(self) -> int:
         return len(self.index)
@@ -232,15 +238,32 @@ class EncodedPairs:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        pair = int(self.index[i])
-        return {key: self.columns[key][pair].tolist() for key in PAIR_KEYS}
+        pair = {key: tokens.tolist() for key, tokens in self.tokens(i).items()}
+        if self.ref_logps is not None:
+            chosen, rejected = self.ref_logps[i]
+            pair.update({REF_KEYS[0]: float(chosen), REF_KEYS[1]: float(rejected)})
+        return pair
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def tokens(self, i: int) -> dict[str, np.ndarray]:
+        """Pair i's token ids as int32 views of the flat arrays (no list built)."""
+        pair = int(self.index[i])
+        return {key: self.columns[key][pair] for key in PAIR_KEYS}
+
     def take(self, start: int, stop: int) -> EncodedPairs:
         """Pairs start to stop (exclusive), as a view."""
-        return EncodedPairs(self.columns, self.index[start:stop])
+        refs = None if self.ref_logps is None else self.ref_logps[start:stop]
+        return EncodedPairs(self.columns, self.index[start:stop], refs)
+
+    def with_reference(self, ref_logps: np.ndarray) -> EncodedPairs:
+        """The same pairs (the same arrays) carrying `ref_logps` ([len, 2]: chosen, rejected)."""
+        ref_logps = np.asarray(ref_logps, dtype=np.float64)
+        if ref_logps.shape != (len(self), 2):
+            raise ValueError(f"{len(self)} pairs need [{len(self)}, 2] reference log-probs, "
+                             f"got {list(ref_logps.shape)}")
+        return EncodedPairs(self.columns, self.index, ref_logps)
 
     @classmethod
     def of(cls, pairs: list[dict]) -> EncodedPairs:

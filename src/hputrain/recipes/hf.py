@@ -207,10 +207,12 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     referenced = dpo or (kind == "grpo" and options.beta > 0)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
                   if referenced and options.ref_model else None)
-    ref_model = (load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
-                            merge=True, sharded=sharded)[0] if ref_folder is not None else None)
-    if referenced and ref_model is None and not options.lora_r:  # the starting weights, frozen
-        ref_model = copy.deepcopy(model)
+    # The frozen reference in a one-item list that the trainer empties: no frame of the recipe
+    # keeps it alive, so DPO frees it once its log-probs are precomputed.
+    ref_model = [load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
+                            merge=True, sharded=sharded)[0] if ref_folder is not None else None]
+    if referenced and ref_model[0] is None and not options.lora_r:  # the starting weights, frozen
+        ref_model = [copy.deepcopy(model)]
     if options.lora_r and not is_adapter_folder(folder):
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
@@ -218,7 +220,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         from .hf_grpo import run_grpo
 
         return run_grpo(options, training_args, accelerator_config, folder, model, tokenizer,
-                        ref_model, ref_folder)
+                        ref_model.pop(), ref_folder)
     if dpo:
         from .hf_dpo import run_dpo
 

@@ -34,9 +34,11 @@ SHAPES = {"prompt_chosen_rejected": "DPO on preference pairs ('prompt', 'chosen'
 
 
 def run_dpo(options, training_args, accelerator_config, folder: Path, model, tokenizer,
-            block_size: int, ref_model, ref_folder: Path | None) -> int:
-    """Train `model` (LoRA already added under --lora-r) against `ref_model`: --ref-model's
-    (loaded from `ref_folder`), a frozen copy of the starting weights, or None under LoRA."""
+            block_size: int, ref_model: list, ref_folder: Path | None) -> int:
+    """Train `model` (LoRA already added under --lora-r) against the reference `ref_model`
+    holds: --ref-model's (loaded from `ref_folder`), a frozen copy of the starting weights, or
+    None under LoRA (the adapter-disabled base). The one-item list is emptied into the trainer,
+    the reference's only owner, which frees it after --precompute-ref-log-probs."""
     from ..training.dpo import DPOTrainer
     from .finish import report_outputs, save_final, write_recipe
     from .hf_sft import use_chat_template
@@ -47,7 +49,7 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
         cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache")
     if ref_folder is not None:
         reference, ref_key = f"--ref-model {ref_folder}", _identity(ref_folder)
-    elif ref_model is None:
+    elif ref_model[0] is None:
         reference = "the base model with the LoRA adapters disabled"
         ref_key = f"{_identity(folder)}:adapters-disabled"
     else:
@@ -55,7 +57,7 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
         ref_key = f"{_identity(folder)}:start:{options.from_scratch and training_args.seed}"
     config = DPOConfig(**dataclasses.asdict(training_args), **preference_values(options),
                        max_length=block_size, ref_key=ref_key)
-    trainer = DPOTrainer(model, config, ref_model=ref_model, train_dataset=train,
+    trainer = DPOTrainer(model, config, ref_model=ref_model.pop(), train_dataset=train,
                          eval_dataset=validation, processing_class=tokenizer,
                          accelerator_config=accelerator_config)
     if trainer.group.is_main:

@@ -7,8 +7,9 @@ log-probabilities (the prompt and the padding left out); the reference's comes f
 (cheapest first):
 
 - the batch itself, precomputed once before training for the training and evaluation pairs
-  (precompute_ref_log_probs, cached under output_dir/.cache, so a resume or a rerun runs no
-  reference forward at all; a frozen reference model is freed afterwards);
+  (precompute_ref_log_probs: each rank runs its share of the batches, the results gathered and
+  kept as an array beside the pairs' tokens, cached under output_dir/.cache, so a resume or a
+  rerun runs no reference forward at all; a frozen reference model is freed afterwards);
 - the policy with its LoRA adapters disabled (a PEFT model and no ref_model): no second copy;
 - a separate frozen model (ref_model), placed like the policy (sharded under fsdp).
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.preference import DPOConfig
-from ..data.preference import REF_KEYS, PairCollator, encode_pairs, pairs_in
+from ..data.preference import REF_KEYS, EncodedPairs, PairCollator, encode_pairs, pairs_in
 from ..errors import InputError
 from .logps import shifted_labels, token_logps
 from .loss import IGNORE_INDEX
@@ -142,13 +143,17 @@ class PreferenceObjective(Objective):
         return losses.mean()
 
     def reference_logps(self, module, batch) -> torch.Tensor:
-        """The reference's log-probabilities of the batch's completions (no gradient)."""
+        """The reference's log-probabilities of the batch's completions (no gradient), counted
+        in `reference_forwards`."""
+        self.reference_forwards += 1
+        return self._reference_logps(module, batch)
+
+    def _reference_logps(self, module, batch) -> torch.Tensor:
         if not self.has_reference:
             raise InputError("these pairs carry no reference log-probs and the reference model was "
                              "freed after precomputing the training and evaluation pairs: evaluate "
                              "them before train(), or pass pairs with ref_chosen_logps and "
                              "ref_rejected_logps")
-        self.reference_forwards += 1
         with torch.no_grad():
             if self.reference is not None:
                 return self._logps(self.reference, batch)
@@ -208,45 +213,61 @@ class PreferenceObjective(Objective):
                 pairs = self.precompute_reference(pairs)
         return pairs
 
-    def precompute_reference(self, pairs: list[dict]) -> list[dict]:
-        """`pairs` with the reference's log-probabilities, computed once (every rank, in the same
-        batches) and cached under output_dir/.cache by the pairs, the reference and the tokenizer;
-        read from there when present (0 reference forwards)."""
+    def precompute_reference(self, pairs) -> EncodedPairs:
+        """`pairs` (EncodedPairs, or a list of encoded pairs) carrying the reference's
+        log-probabilities, as an array beside their tokens (EncodedPairs.ref_logps: the memory-
+        mapped pairs are never made Python lists). Read from the cache under output_dir/.cache
+        (keyed by the pairs, the reference and the tokenizer) when every rank finds it there;
+        else computed once, each rank its share of the batches (`_reference_pass`), and cached
+        by each node's first process."""
         loop = self.loop
+        pairs = pairs if isinstance(pairs, EncodedPairs) else EncodedPairs.of(list(pairs))
         cache = Path(loop.args.output_dir) / ".cache" / f"dpo-ref-{self._cache_key(pairs)}.npy"
         values = _read_logps(cache, len(pairs))
-        if values is None:
+        # Decided together: the pass is collective (fsdp's gathers, the gather of its results),
+        # and a rank may miss a cache its peers see (another node's disk, a file written since).
+        if loop.group.host_sum([values is None])[0]:
             values = self._reference_pass(pairs)
-            self.precompute_forwards += self.reference_forwards
-            self.reference_forwards = 0  # those counted from here on are training's
-            if loop.group.is_main:
+            if loop.group.local_rank == 0:
                 _write_logps(cache, values)
             loop.group.barrier()
-        return [{**pair, REF_KEYS[0]: float(c), REF_KEYS[1]: float(r)}
-                for pair, (c, r) in zip(pairs, values)]
+        return pairs.with_reference(values)
 
-    def _reference_pass(self, pairs: list[dict]) -> np.ndarray:
-        loop = self.loop
-        size, values = loop.args.per_device_eval_batch_size, []
+    def _reference_pass(self, pairs: EncodedPairs) -> np.ndarray:
+        """[len(pairs), 2] float64: the reference's log-probs of each pair's chosen and rejected
+        completions. The batches are one process's (per_device_eval_batch_size pairs in order,
+        so the numbers do not depend on the number of ranks); each rank runs a consecutive share
+        of them, and the shares are gathered in rank order. Every rank runs as many forwards
+        (one short of batches repeats one and drops its result): under fsdp, and for the
+        adapter-disabled policy under ddp, a forward is a collective."""
+        loop, group = self.loop, self.loop.group
+        size = loop.args.per_device_eval_batch_size
+        shares = np.array_split(np.arange(0, len(pairs), size), group.world_size)
+        mine = [int(start) for start in shares[group.rank]]
+        values = []
         loop.model.eval()
         try:
-            for start in range(0, len(pairs), size):
-                batch = self.collate([{k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-                                      for p in pairs[start:start + size]])
+            for turn in range(max(map(len, shares))):
+                real = turn < len(mine)
+                start = mine[turn] if real else (mine or [0])[0]
+                batch = self.collate(pairs[start:start + size])  # lists for this batch only
                 batch = {k: v.to(loop.device) for k, v in batch.items()}
                 with loop.forward_context():
-                    logps = self.reference_logps(loop.module, batch)
+                    logps = self._reference_logps(loop.module, batch)
                 loop.accelerator.mark_step()
-                values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
+                if real:
+                    values.append(torch.stack(logps.float().chunk(2), dim=1).cpu().numpy())
+                    self.precompute_forwards += 1
         finally:
             loop.model.train()
-        return np.concatenate(values).astype(np.float64)
+        mine = np.concatenate(values) if values else np.zeros((0, 2), dtype=np.float32)
+        return np.concatenate(group.gather_objects(mine)).astype(np.float64)
 
-    def _cache_key(self, pairs: list[dict]) -> str:
+    def _cache_key(self, pairs: EncodedPairs) -> str:
         digest = hashlib.sha256()
-        for pair in pairs:
-            for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
-                digest.update(np.asarray(pair[key], dtype=np.int64).tobytes() + b"|")
+        for i in range(len(pairs)):
+            for tokens in pairs.tokens(i).values():  # prompt, chosen, rejected
+                digest.update(tokens.astype(np.int64).tobytes() + b"|")
         tokenizer = self.tokenizer
         digest.update(repr((self.ref_key, str(self.loop.precision.compute_dtype),
                             getattr(tokenizer, "name_or_path", None), len(tokenizer or ()),
@@ -304,7 +325,7 @@ class DPOTrainer(Trainer):
         """Reference forwards run to precompute the pairs' log-probs."""
         return self.objective.precompute_forwards
 
-    def precompute_reference(self, pairs: list[dict]) -> list[dict]:
+    def precompute_reference(self, pairs) -> EncodedPairs:
         """The pairs with the reference's log-probs (PreferenceObjective.precompute_reference)."""
         return self.objective.precompute_reference(pairs)
 
@@ -333,7 +354,9 @@ def _is_encoded(row) -> bool:
     return all(key in row for key in ("prompt_ids", "chosen_ids", "rejected_ids"))
 
 
-def _carries_reference(pairs: list[dict]) -> bool:
+def _carries_reference(pairs) -> bool:
+    if isinstance(pairs, EncodedPairs):
+        return pairs.ref_logps is not None
     return all(REF_KEYS[0] in pair for pair in pairs)
 
 
