@@ -63,7 +63,7 @@ def test_corrupt_checkpoint_is_one_line_and_keeps_files(tmp_path, corpus, cli_he
     (["--lr-scheduler-type", "cosin"], ["did you mean 'cosine'"]),
     (["--model-size", "huge"], ["tiny, small, base"]),
     (["--corpus", "/no/such/folder"], ["/no/such/folder"]),
-    (["--resume-from-checkpoint", "latest"], ["no checkpoint"]),
+    (["--resume-from-checkpoint", "checkpoint-9"], ["checkpoint-9 does not exist"]),  # "latest": test_run_start.py
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, corpus, argv, words, cli_here):
     rc, _, stderr = cli_here("train", "--output-dir", tmp_path / "o", "--corpus", corpus, *SMALL, *argv)

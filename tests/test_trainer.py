@@ -176,7 +176,7 @@ def test_iterable_dataset_needs_max_steps(tmp_path):
     out = Trainer(model, args(tmp_path, max_steps=10), train_dataset=Stream()).train()
     assert out.global_step == 10
     with pytest.raises(InputError, match="set max_steps"):
-        Trainer(Regression(), args(tmp_path, max_steps=-1), train_dataset=Stream()).train()
+        Trainer(Regression(), args(tmp_path / "again", max_steps=-1), train_dataset=Stream()).train()
 
 
 def test_default_collate_pads_sequences():

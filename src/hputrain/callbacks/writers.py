@@ -11,6 +11,7 @@ from ..errors import InputError
 from .base import Callback
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 # -- the built-in writers (rank 0) -----------------------------------------------------------------
@@ -73,7 +74,7 @@ class TensorBoard(Callback):
     eval/<key without eval_>, summary/<key> for the summary's figures."""
 
     def __init__(self, output_dir) -> None:
-        self.folder = Path(output_dir) / "tensorboard"
+        self.folder = Path(output_dir) / TENSORBOARD_DIR
         self.writer = None
 
     def on_train_begin(self, trainer) -> None:

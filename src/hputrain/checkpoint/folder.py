@@ -40,6 +40,7 @@ SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.json"  # the model's configuration, written the way its library writes it
 LOCK_FILE = ".hputrain.lock"  # in output_dir: one run at a time (see lock_output_dir)
+SET_ASIDE_DIR = ".overwritten"  # in output_dir: an earlier run's files, until replaced (start.py)
 _FOLDER_NAME = re.compile(r"checkpoint-(\d+)")
 # What a killed save, re-save or rotation leaves: .tmp-, .old- and .deleting-checkpoint-N.
 _LEFTOVER = re.compile(r"\.(tmp|old|deleting)-(checkpoint-\d+)")
@@ -229,6 +230,12 @@ def finalize(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def drop_set_aside(output_dir: str | os.PathLike) -> None:
+    """Delete what a run from the beginning set aside (start.py): it has now written what takes
+    its place, a checkpoint or its end. Rank 0 only."""
+    shutil.rmtree(Path(output_dir) / SET_ASIDE_DIR, ignore_errors=True)
 
 
 def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:

@@ -28,8 +28,8 @@ from ..errors import InputError
 from .checks import check_trainer_state
 from .folder import (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, SHARDED_DIR, STATE_FILE,
                      TRAINABLE_FILE, CheckpointError, begin_checkpoint, checkpoint_dir,
-                     checkpoint_folders, finalize, load_pt, os_reason, reading, rng_file,
-                     rotate_checkpoints, temp_dir, torch_save, write_text, writing)
+                     checkpoint_folders, drop_set_aside, finalize, load_pt, os_reason, reading,
+                     rng_file, rotate_checkpoints, temp_dir, torch_save, write_text, writing)
 from .full import FullState, write_model_config
 from .host import unwrap_model
 from .sharded import ShardedState
@@ -135,6 +135,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
             raise
         if rank == 0:
             rotate_checkpoints(output_dir, save_total_limit, keep=final)
+            drop_set_aside(output_dir)  # an earlier run's files, replaced now (start.py)
     except OSError as exc:  # a full disk, a read-only or vanished folder: the earlier ones stay
         raise CheckpointError(f"Cannot save checkpoint {final}: {os_reason(exc)}.") from exc
     wait()

@@ -108,7 +108,9 @@ class TrainingArguments:
     fast_ddp_bf16_gradients: bool = False
     """With fast_ddp, all-reduce the gradients in bfloat16 (half the traffic)."""
     resume_from_checkpoint: str | None = None
-    """A checkpoint folder to resume from, or "latest" for the newest in output_dir."""
+    """A checkpoint folder to resume from, or "latest" for the newest in output_dir (from the
+    beginning while it has none: one command for a job's first run and its reruns). Without it,
+    an output_dir holding checkpoints is refused unless overwrite_output_dir."""
     accelerator: str = "auto"
     """Device kind: auto, hpu, cuda, mps or cpu."""
     devices: int = 1
@@ -244,7 +246,9 @@ class TrainingArguments:
     fsdp_transformer_layer_cls_to_wrap: list[str] | str | None = None
     """Hugging Face's spelling of fsdp_block_classes."""
     overwrite_output_dir: bool = False
-    """Accepted from Hugging Face scripts, no effect: hputrain never deletes what is in output_dir."""
+    """Start over in an output_dir that holds an earlier run's checkpoints: they and its logs
+    (metrics.jsonl ...) are set aside in output_dir/.overwritten, deleted once this run has
+    saved a checkpoint or ended."""
     do_train: bool = False
     """Accepted from Hugging Face scripts, no effect: the script calls train()."""
     do_eval: bool = False

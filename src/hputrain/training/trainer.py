@@ -26,9 +26,11 @@ import torch
 from ..accelerators import detect_accelerator
 from ..callbacks import (Callback, CallbackHost, for_every_trainer, profiling_callbacks,
                          reporting_callbacks, show_message)
+from ..callbacks.writers import METRICS_FILE, TENSORBOARD_DIR
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
-from ..checkpoint.folder import checkpoint_dir, lock_output_dir, rotate_checkpoints
+from ..checkpoint.folder import checkpoint_dir, drop_set_aside, lock_output_dir, rotate_checkpoints
+from ..checkpoint.start import Start, agree_on_start
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
 from ..config.sections import Sections
@@ -52,6 +54,7 @@ from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS
 from .prepare import prepare_model
+from .rewards import COMPLETIONS_FILE
 from .signals import StopSignals
 from .telemetry import ThroughputClock, flops_per_token, job_peak_flops
 
@@ -137,11 +140,16 @@ class Trainer(CallbackHost):
     # -- the training loop ---------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
         # One run per output_dir: rank 0 holds its lock for the run (the kernel drops it on any
-        # exit) and clears what a killed save left; the others resolve "latest" after that.
+        # exit), clears what a killed save left, and decides where the run starts, for every rank.
         lock = lock_output_dir(self.args.output_dir) if self.group.is_main else None
         self.should_stop, self._stopping, self._stop_signal = False, False, None
         try:
             self.group.barrier()
+            start = agree_on_start(self.group, self.args.output_dir, resume_from_checkpoint
+                                   or self.args.resume_from_checkpoint,
+                                   overwrite=self.args.overwrite_output_dir, logs=_RUN_LOGS)
+            if start.note is not None:  # starting from the beginning: what of an earlier run moved
+                self.log_message(start.note)
             self._signals.install()  # after the barrier: see signals.py
             with self._model_on_device():
                 # what the method prepares beside the model (DPO's precomputed reference)
@@ -150,13 +158,13 @@ class Trainer(CallbackHost):
                 # a forward with no backward there (DPO's precompute) leaves fsdp's root and last
                 # block gathered, in place of the shards the optimizer, built next, must hold
                 reshard(self.model)
-                return self._train(resume_from_checkpoint or self.args.resume_from_checkpoint)
+                return self._train(start)
         finally:
             self._signals.restore()
             if lock is not None:
                 lock.release()
 
-    def _train(self, resume_from_checkpoint: str | None) -> TrainOutput:
+    def _train(self, start: Start) -> TrainOutput:
         args, settings, accelerator = self.args, self.settings, self.accelerator
         _seed_everything(args.seed)
         batches = self.train_batches()
@@ -165,7 +173,7 @@ class Trainer(CallbackHost):
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
         self.scheduler = create_scheduler(self.optimizer, settings.optimizer, total_steps)
-        state = self._resume(resume_from_checkpoint, batches)
+        state = self._resume(start.checkpoint, batches)
         self.global_step = state.get("step", 0)
         self.best = BestCheckpoint(settings.schedule, state)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
@@ -265,6 +273,8 @@ class Trainer(CallbackHost):
         if fallbacks := self.kernels.get(kernels.FALLBACK):  # calls a fused kernel could not take
             summary["attention_fallback_calls"] = fallbacks
         self._call("on_log", summary)
+        if self.group.is_main:  # the run ended: what an earlier one left is replaced
+            drop_set_aside(self.args.output_dir)
         return summary
 
     def _end_callbacks(self, finished: bool) -> None:
@@ -568,12 +578,9 @@ class Trainer(CallbackHost):
         self.log_message(f"loaded the best checkpoint, {folder.name} ({self.best.key} "
                          f"{self.best.metric:g})")
 
-    def _resume(self, spec: str | None, batches: MicroBatches | None = None) -> dict:
-        if not spec and self.group.restarts and checkpoint.latest_checkpoint(self.args.output_dir):
-            spec = "latest"  # torchrun restarted the job after a failure: pick up where it was
-        if not spec:
+    def _resume(self, folder: Path | None, batches: MicroBatches | None = None) -> dict:
+        if folder is None:
             return {}
-        folder = checkpoint.resolve_checkpoint(self.args.output_dir, spec)
         state = checkpoint.load_checkpoint(folder, model=self.model, optimizer=self.optimizer,
                                            scheduler=self.scheduler, accelerator=self.accelerator,
                                            rank=self.group.rank,
@@ -584,6 +591,9 @@ class Trainer(CallbackHost):
         self.accelerator.mark_step()
         return state
 
+
+# what a run appends to in output_dir: an earlier run's, set aside by a run from the beginning
+_RUN_LOGS = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE)
 
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
