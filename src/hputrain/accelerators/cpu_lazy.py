@@ -47,6 +47,12 @@ BACKEND_FALLBACKS = {
     "lerp.Scalar": "lerp has no lazy kernel: torch.optim.Adam and AdamW call it every step",
     "amax": "amax has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
     "amin": "amin has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
+    # torch's math attention (what nn.MultiheadAttention, and so nn.TransformerEncoderLayer, runs
+    # off CUDA) zeroes the rows that attend to nothing in _safe_softmax, with these three
+    "all.dim": "`tensor.all(dim)` has no lazy kernel: nn.MultiheadAttention's softmax takes it",
+    "isneginf": "isneginf has no lazy kernel: nn.MultiheadAttention's softmax takes it",
+    "where.self_out": "torch.where into an output tensor has no lazy kernel: nn.MultiheadAttention's "
+                      "softmax writes its result with it",
 }
 
 
@@ -173,10 +179,13 @@ _REPLACEMENTS = {
 
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) in ops the lazy backend has: the same
-    update as torch.optim.AdamW, checked against it in the tests."""
+    update as torch.optim.AdamW, checked against it in the tests. `bias_correction=False` (an
+    option of Gaudi's FusedAdamW) leaves the moments uncorrected."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 bias_correction=True):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "bias_correction": bias_correction})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -193,11 +202,13 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param)
                 state["step"] += 1  # a host int: the graph sees the bias corrections as constants
                 step, grad = state["step"], param.grad
+                bias1, bias2 = ((1 - beta1**step, 1 - beta2**step) if group.get("bias_correction", True)
+                                else (1.0, 1.0))
                 param.mul_(1 - group["lr"] * group["weight_decay"])
                 state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+                denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
+                param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias1)
         return loss
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 
 from ..errors import InputError
 from ..rehearsal.doctor import PADDING, run
@@ -14,7 +17,8 @@ DESCRIPTION = """`hputrain doctor SCRIPT [ARGS]`: a dry run of Gaudi's lazy mode
 def cmd_doctor(args) -> int:
     if args.steps < 1 or not 0 <= args.warmup < args.steps:
         raise InputError(f"need --steps >= 1 and 0 <= --warmup < --steps, got {args.steps} and {args.warmup}")
-    report = run(args.script, args.script_args, args.steps, args.warmup)
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        report = run(args.script, args.script_args, args.steps, args.warmup)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -34,6 +38,26 @@ def cmd_doctor(args) -> int:
     if not report["findings"]:
         print("no problems found: the step reaches a steady state with cached graphs")
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """The script's own output to stderr while it runs, so that stdout holds the JSON report
+    alone: its prints, and what is written to file descriptor 1 from below Python too."""
+    with contextlib.ExitStack() as stack:
+        sys.stdout.flush()
+        try:
+            out, err = sys.stdout.fileno(), sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (a test's capture): Python's prints only
+            out = None
+        if out is not None:
+            saved = os.dup(out)
+            os.dup2(err, out)
+            stack.callback(os.close, saved)
+            stack.callback(os.dup2, saved, out)
+            stack.callback(sys.stdout.flush)
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        yield
 
 
 def add_doctor_parser(sub) -> None:

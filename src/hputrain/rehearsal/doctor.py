@@ -15,7 +15,9 @@ steps for what makes lazy mode slow on a Gaudi:
   finding, with the fix (length_buckets, pad_to_multiple_of, fixed-length padding);
 - host_sync: values read back to the host inside a step (`.item()`, `bool(t)`, `.cpu()`, print),
   each of which cuts the graph short and stalls the device; named by the user's own line, and by
-  the library's when the read is inside one, with the fix where one is known;
+  the library's when the read is inside one, with the fix where one is known. Reads on a plain
+  loop's logging steps only (never two steps in a row) are a note, not a finding, and the graphs
+  of the steps around them are judged by the logging period (doctor_loop.py);
 - fallback: operations that would run eagerly, outside the graph, on Gaudi too. The CPU lazy
   backend's own gaps (cpu_lazy.BACKEND_FALLBACKS) are left out, and the report says so.
 
@@ -175,7 +177,7 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
         trainer = TrainerRehearsal(steps, reads, output_dir)
         hf = HFRehearsal(steps, reads, runtime)
         paths = [trainer, hf]
-        loop = LoopRehearsal(steps, reads, runtime, claimed=lambda: any(p.claimed for p in paths))
+        loop = LoopRehearsal(steps, reads, runtime, warmup, claimed=lambda: any(p.claimed for p in paths))
         with contextlib.ExitStack() as stack:
             for rehearsal in (*paths, loop):
                 stack.enter_context(rehearsal)

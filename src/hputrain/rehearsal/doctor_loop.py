@@ -13,6 +13,13 @@ compilations, host reads (HostReads, each at the user's line), eager fallbacks, 
 user's line that ran it, and the shapes of the tensors the loop moved to the device (its batch).
 A plain loop's data loader is not walked ahead: its shapes are those the steps met, and the
 report says so.
+
+A loop written as Gaudi's docs teach keeps its running loss on the device and reads it on
+logging steps, every few steps; the steps around the read compile graphs of their own once
+(findings.period_compiles). Such a graph is judged by the logging period: the watch goes on past
+`steps` until it has come round again (at most WATCH_LIMIT times `steps`), to see it run from the
+graph cache. Gaudi's FusedAdamW ends the step's graph itself (a mark_step after its update): so
+does the stand-in's (standin_hpex.py), and the step ends there.
 """
 from __future__ import annotations
 
@@ -21,10 +28,14 @@ from collections.abc import Callable
 import torch
 
 from ..accelerators.cpu_lazy import HostReads, LazyBackendGaps, lazy_counters
-from .findings import DoctorFinished, RunShapes, diagnose, sync_site
+from .findings import DoctorFinished, RunShapes, diagnose, period_unseen, sync_site
 from .standin import StandIn
+from .standin_hpex import ENDS_STEP
 
 _READ_COUNTER = "aten::_local_scalar_dense"  # a value read back, counted by HostReads instead
+WATCH_LIMIT = 4
+"""The most steps watched, in multiples of the steps asked for, to see a logging period's
+graphs come round again."""
 
 
 class _LoopModes(LazyBackendGaps):
@@ -62,11 +73,12 @@ class LoopRehearsal:
     """Watches the optimizer steps of a plain loop while entered (see the module's docstring).
     `claimed()` says whether a Trainer watch owns the steps (an hputrain or Hugging Face
     Trainer's): its steps are then left alone. Stops the script with DoctorFinished after
-    `steps` steps."""
+    `steps` steps, or more where a logging period's graphs have not come round again yet."""
 
-    def __init__(self, steps: int, reads: HostReads, runtime: StandIn,
+    def __init__(self, steps: int, reads: HostReads, runtime: StandIn, warmup: int = 0,
                  claimed: Callable[[], bool] = lambda: False) -> None:
         self.steps, self.reads, self.runtime, self.claimed = steps, reads, runtime, claimed
+        self.warmup = warmup
         self.records: list[dict] = []
         self.missing_mark_step: str | None = None  # the optimizer.step call's file:line
         self.inputs: dict[str, str] = {}  # batch tensor name -> the line that moved it to the device
@@ -123,7 +135,9 @@ class LoopRehearsal:
             return
         self._step_line = sync_site("step").user
         self._step_shapes, self._shapes = self._shapes, {}
-        if self.missing_mark_step is not None:  # the loop has none: the doctor marks the step
+        if getattr(optimizer, ENDS_STEP, False):  # its own mark_step after the update ended it
+            self._end_step()
+        elif self.missing_mark_step is not None:  # the loop has none: the doctor marks the step
             torch._lazy.mark_step()
             self._end_step()
         else:
@@ -150,14 +164,20 @@ class LoopRehearsal:
             "shapes": self._step_shapes,
             "attention_mask": None,
         })
-        if len(self.records) >= self.steps:
+        if self._seen_enough():
             self.reads.in_step = False
             raise DoctorFinished
         self._start_step()
 
+    def _seen_enough(self) -> bool:
+        watched = len(self.records)
+        return watched >= self.steps and (watched >= WATCH_LIMIT * self.steps
+                                          or not period_unseen(self.records, self.warmup))
+
     def _transfer(self, tensor: torch.Tensor) -> None:
-        """A host tensor the loop moved to the device: part of the step's batch."""
-        if not self._watching():
+        """A host tensor the loop moved to the device: part of the step's batch. A scalar (the
+        zero a running total starts from, a learning rate) is not."""
+        if not self._watching() or tensor.dim() == 0:
             return
         name = str(len(self._shapes))
         self._shapes[name] = list(tensor.shape)
@@ -174,6 +194,9 @@ class LoopRehearsal:
                 finding["message"] += self._changing_inputs()
         if self.missing_mark_step is not None:
             report["findings"].append(_missing_mark_step(self.missing_mark_step, self.runtime.mark_steps))
+        if len(self.records) > self.steps:
+            report["notes"].append(f"watched {len(self.records)} steps, not {self.steps}: until the graphs "
+                                   "of the logging period came round again")
         report["loop"] = {"optimizer_step_at": self._step_line, "mark_steps": self.runtime.mark_steps,
                           "inputs_moved_at": self.inputs}
         return report

@@ -154,6 +154,7 @@ def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes 
                 *_unbounded_shapes(run, shapes), *_host_syncs(records, reads, run),
                 *_fallbacks(fallback_ops, _fallback_sites(records))]
     notes = [*_run_shapes_notes(run), *_bounded_shapes(shapes, run, findings),
+             *_logging_period(records, warmup), *_logging_reads(records, reads),
              *_between_steps(records, warmup, run), *_left_out(backend_gaps)]
     return {"steps": len(records), "compiles_per_step": [r["compiles"] for r in records],
             "compiles_between_steps": [r.get("compiles_between", 0) for r in records],
@@ -205,19 +206,74 @@ def _recompilation(records: list[dict], warmup: int, shapes: dict, judge_growth:
     return findings
 
 
+def _variant(records: list[dict], index: int) -> tuple[str, bool, bool]:
+    """What the graphs of step `records[index]` are built for, besides the code: its batch
+    shapes, and its place in the loop's logging period: a value read back in the step, and one
+    in the step before. A loop that reads a running value on its logging steps and then resets
+    it builds the graphs of the steps around the read apart from the others' (the reset is in
+    them), once each, and runs them from the cache when the period comes round again."""
+    record = records[index]
+    return (shape_text(record["shapes"]), record["host_syncs"] > 0,
+            index > 0 and records[index - 1]["host_syncs"] > 0)
+
+
 def _steady_new_at(records: list[dict]) -> set[int]:
-    """The steps that compiled a shape's graphs for good: its first step, and its first after
-    step 1. The first step's graphs also create the optimizer's state (AdamW's moments), so the
-    shape of step 1 compiles again the next time it comes, and from then on runs from the cache."""
-    seen: set[str] = set()
+    """The steps that compiled a variant's graphs (_variant) for good: its first step, and its
+    first after step 1. The first step's graphs also create the optimizer's state (AdamW's
+    moments), so the variant of step 1 compiles again the next time it comes, and from then on
+    runs from the cache."""
+    seen: set[tuple] = set()
     steps = set()
-    for record in records:
-        key = shape_text(record["shapes"])
+    for index, record in enumerate(records):
+        key = _variant(records, index)
         if record["step"] == 1 or key not in seen:
             steps.add(record["step"])
         if record["step"] > 1:
             seen.add(key)
     return steps
+
+
+def period_compiles(records: list[dict], warmup: int) -> dict[int, int | None]:
+    """The steps after warm-up that compiled graphs for batch shapes compiled before, because
+    they stand elsewhere in the logging period (a variant's first step, _variant), each with the
+    step where the same variant came round again (None: not in the steps watched). Such graphs
+    are a bounded set, judged by the period: compiled once, then run from the cache."""
+    steady = _steady_new_at(records)
+    variants = [_variant(records, index) for index in range(len(records))]
+    found: dict[int, int | None] = {}
+    for index in range(warmup, len(records)):
+        record, variant = records[index], variants[index]
+        if not (record["compiles"] and record["step"] in steady
+                and any(v[0] == variant[0] for v in variants[:index])):
+            continue
+        found[record["step"]] = next((records[later]["step"] for later in range(index + 1, len(records))
+                                      if variants[later] == variant), None)
+    return found
+
+
+def period_unseen(records: list[dict], warmup: int) -> bool:
+    """Whether a graph compiled for a new place in the logging period (period_compiles) has not
+    come round again yet: more steps are needed to judge it."""
+    return any(again is None for again in period_compiles(records, warmup).values())
+
+
+def _logging_period(records: list[dict], warmup: int) -> list[str]:
+    found = period_compiles(records, warmup)
+    if not found:
+        return []
+    steps = sorted(found)
+    again = sorted(a for a in found.values() if a is not None)
+    unseen = [step for step in steps if found[step] is None]
+    verdict = []
+    if again:
+        verdict.append(f"The same graphs came round again at step(s) {again} and ran from the graph "
+                       "cache: a bounded set, judged by the logging period.")
+    if unseen:
+        verdict.append(f"Step(s) {unseen} did not come round again in the {len(records)} steps watched: "
+                       "watch more --steps to see them run from the cache.")
+    return [f"step(s) {steps} compiled graphs of their own after the warm-up, for batch shapes compiled "
+            f"before: they stand next to a value read back on a logging step, and what the loop does "
+            f"there (resetting a running value, say) makes a graph of its own. {' '.join(verdict)}"]
 
 
 def _unbounded_shapes(run: RunShapes | None, shapes: dict) -> list[dict]:
@@ -307,9 +363,32 @@ def _between_steps(records: list[dict], warmup: int, run: RunShapes | None) -> l
     return [f"graphs compiled between steps, by {run.between_steps}: {between} ({verdict})"]
 
 
+def _read_steps(records: list[dict]) -> list[int]:
+    """The steps with a value read back to the host."""
+    return [r["step"] for r in records if r["host_syncs"]]
+
+
+def _on_logging_steps(records: list[dict]) -> bool:
+    """Reads back on some steps only, never on two steps in a row: a loop's logging steps, which
+    read a value kept on the device every few steps (as Gaudi's docs teach), not a per-step sync."""
+    steps = _read_steps(records)
+    return 0 < len(steps) < len(records) and all(b - a > 1 for a, b in zip(steps, steps[1:]))
+
+
+def _logging_reads(records: list[dict], reads: HostReads) -> list[str]:
+    if not _on_logging_steps(records):
+        return []
+    steps = _read_steps(records)
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    period = f"every {gaps.pop()} steps" if len(gaps) == 1 else "on logging steps"
+    places = ", ".join(f"{_describe(site)} ({n}x)" for site, n in sorted(reads.where.items(), key=lambda i: str(i[0])))
+    return [f"values read back to the host at steps {steps} of {len(records)} ({period}): {places}. A read "
+            "on a logging step is not a per-step sync: the steps between run without waiting for the device"]
+
+
 def _host_syncs(records: list[dict], reads: HostReads, run: RunShapes | None = None) -> list[dict]:
     per_step = [r["host_syncs"] for r in records]
-    if not any(per_step):
+    if not any(per_step) or _on_logging_steps(records):
         return []
     by_fix: dict[str, list[str]] = {}
     for site, n in sorted(reads.where.items(), key=lambda item: str(item[0])):

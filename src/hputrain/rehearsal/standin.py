@@ -26,6 +26,8 @@ What it covers (docs/doctor.md keeps the same list for users):
   device, so `tensor.device.type` reads "lazy", not "hpu".
 - `torch.compile(..., backend="hpu_backend")` hands the function back unchanged: it runs lazily,
   which is how the doctor rehearses it.
+- `habana_frameworks.torch.hpex`: `optimizers.FusedAdamW`, `normalization.FusedClipNorm` and
+  `kernels.FusedSDPA`, CPU equivalents of what Gaudi's compute (standin_hpex.py).
 
 Anything else under `habana_frameworks` raises an AttributeError (or ModuleNotFoundError) naming
 it as not covered (`NOT_COVERED`), which the doctor turns into one line.
@@ -46,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..accelerators.hpu import COMPILE_BACKEND, DEVICE_TYPE, DIST_BACKEND
+from .standin_hpex import hpex_members
 
 NOT_COVERED = "hputrain's stand-in for habana_frameworks does not cover"
 """The start of every error raised for a part of habana_frameworks the stand-in lacks."""
@@ -240,9 +243,11 @@ class StandIn:
         _register_torch_hpu(modules["habana_frameworks.torch.hpu"])
 
     def _build_modules(self) -> dict[str, types.ModuleType]:
+        hpex = hpex_members(self.mark_step, NOT_COVERED)
         names = ["habana_frameworks", "habana_frameworks.torch", "habana_frameworks.torch.core",
                  "habana_frameworks.torch.hpu", "habana_frameworks.torch.hpu.random",
-                 "habana_frameworks.torch.distributed", "habana_frameworks.torch.distributed.hccl"]
+                 "habana_frameworks.torch.distributed", "habana_frameworks.torch.distributed.hccl",
+                 "habana_frameworks.torch.hpex", *hpex]
         modules = {name: _Module(name, "hputrain's stand-in (rehearsal/standin.py)") for name in names}
         for name, module in modules.items():
             parent, _, child = name.rpartition(".")
@@ -254,6 +259,8 @@ class StandIn:
         _fill(modules["habana_frameworks.torch.hpu"], self._hpu_functions())
         _fill(modules["habana_frameworks.torch.hpu"], _random_functions())
         _fill(modules["habana_frameworks.torch.hpu.random"], _random_functions())
+        for name, members in hpex.items():
+            _fill(modules[name], members)
         return modules
 
     def _hpu_functions(self) -> dict[str, Callable]:
