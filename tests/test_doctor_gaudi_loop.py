@@ -15,6 +15,7 @@ import torch
 from hputrain.accelerators.cpu_lazy import HostReads
 from hputrain.errors import InputError
 from hputrain.rehearsal.doctor import diagnose, run
+from hputrain.rehearsal.findings import period_unseen
 from hputrain.rehearsal.standin import NOT_COVERED, StandIn
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
@@ -92,6 +93,10 @@ def test_a_logging_step_graph_that_compiles_each_time_round_is_found():
     assert again["findings"][0]["message"].startswith("step(s) [9] compiled new graphs")
     every_step = diagnose(steps_of(*[(0, 1)] * 6), 2, HostReads(locate=lambda name: name))
     assert [f["kind"] for f in every_step["findings"]] == ["host_sync"]
+    # what makes the watch go on: a place in the period met once; not step 2's second compile of
+    # step 1's graphs (the optimizer's state is created in step 1)
+    assert period_unseen(steps_of((2, 0), (1, 0), (0, 0), (0, 0), (2, 1)), 2)
+    assert not period_unseen(steps_of((2, 0), (1, 0), (0, 0)), 1)
 
 
 def test_a_new_length_every_step_recompiles():

@@ -238,13 +238,11 @@ def period_compiles(records: list[dict], warmup: int) -> dict[int, int | None]:
     they stand elsewhere in the logging period (a variant's first step, _variant), each with the
     step where the same variant came round again (None: not in the steps watched). Such graphs
     are a bounded set, judged by the period: compiled once, then run from the cache."""
-    steady = _steady_new_at(records)
     variants = [_variant(records, index) for index in range(len(records))]
     found: dict[int, int | None] = {}
     for index in range(warmup, len(records)):
-        record, variant = records[index], variants[index]
-        if not (record["compiles"] and record["step"] in steady
-                and any(v[0] == variant[0] for v in variants[:index])):
+        record, variant, before = records[index], variants[index], variants[:index]
+        if not (record["compiles"] and variant not in before and any(v[0] == variant[0] for v in before)):
             continue
         found[record["step"]] = next((records[later]["step"] for later in range(index + 1, len(records))
                                       if variants[later] == variant), None)
