@@ -47,6 +47,56 @@ def test_open_mpi_across_nodes_needs_master_addr_and_takes_node_from_rank():
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "12345")  # the user's win
 
 
+def placements(nodes: int, per_node: int, round_robin: bool) -> list[tuple[int, int, int]]:
+    """(rank, local rank, node) of every process, as mpirun places them: in blocks (--map-by slot)
+    or round-robin over the nodes (--map-by node); local ranks in rank order on each node."""
+    size = nodes * per_node
+    node_of = [r % nodes if round_robin else r // per_node for r in range(size)]
+    return [(r, node_of[:r].count(node_of[r]), node_of[r]) for r in range(size)]
+
+
+@pytest.mark.parametrize("round_robin", [False, True], ids=["blocks", "round-robin"])
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (3, 2), (2, 4), (4, 3)])
+def test_mpi_node_rank_is_right_or_unset_in_blocks_and_round_robin(nodes, per_node, round_robin):
+    """Issue 39 item 12: NODE_RANK was rank // local size, wrong for ranks placed round-robin
+    (mpirun --map-by node): rank 1 is on node 1. Now every NODE_RANK set is the process's node,
+    under Open MPI's and Hydra's variables, and it is left unset only where both placements fit
+    the variables and disagree."""
+    size, unset = nodes * per_node, 0
+    for rank, local, node in placements(nodes, per_node, round_robin):
+        for env in (ompi(rank, size, local, per_node, MASTER_ADDR="10.0.0.1"),
+                    {"PMI_RANK": str(rank), "PMI_SIZE": str(size), "MPI_LOCALRANKID": str(local),
+                     "MPI_LOCALNRANKS": str(per_node), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "h"}):
+            adopt_launcher_env(environ=env)
+            assert env.get("NODE_RANK", str(node)) == str(node), (rank, local, env.get("NODE_RANK"))
+            assert env["LOCAL_RANK"] == str(local)
+            unset += "NODE_RANK" not in env
+    assert unset < size  # most ranks are decided (rank 0 and 1 always)
+    if round_robin:  # rank 1: local rank 0 of node 1, where blocks would say local rank 1 of node 0
+        env = ompi(1, size, 0, per_node, MASTER_ADDR="10.0.0.1")
+        adopt_launcher_env(environ=env)
+        assert env["NODE_RANK"] == "1"
+
+
+def test_hybrid_shard_refuses_ranks_not_placed_in_blocks(monkeypatch):
+    """hybrid_shard's node groups are blocks of consecutive ranks: round-robin ranks would shard
+    across nodes. Rank 1 of a round-robin placement (local rank 0) says so in one line; in blocks
+    it passes."""
+    from hputrain import TrainingArguments
+    from hputrain.config.sections import ParallelismSettings
+    from hputrain.distributed.fsdp import dp_shard_size
+
+    settings = ParallelismSettings.of(TrainingArguments(fsdp="hybrid_shard", num_nodes=2))
+    env = ompi(1, 4, 0, 2, MASTER_ADDR="10.0.0.1")
+    adopt_launcher_env(environ=env)
+    for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, env[name])
+    with pytest.raises(InputError, match="round-robin over the nodes; place them in blocks"):
+        dp_shard_size(settings, 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # rank 1 in blocks
+    assert dp_shard_size(settings, 4) == 2
+
+
 def test_hydra_variables():
     env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
            "OMP_NUM_THREADS": "1"}

@@ -15,6 +15,12 @@ SLURM variables too, which describe its own daemons, not these processes):
   Hydra      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH, Intel MPI)
   srun       SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID
 
+Neither MPI names the node a process is on (OMPI_COMM_WORLD_NODE_RANK is a local rank across
+jobs, not a node): NODE_RANK comes from where the rank falls, in blocks or round-robin
+(`mpi_node_rank`), and is left unset where the variables do not decide it. Nothing but the
+one-task-per-node form below reads it; fsdp's hybrid_shard, whose node groups are blocks of
+consecutive ranks, refuses ranks placed otherwise (distributed/fsdp.py).
+
 Only srun's job *step* variables count: a batch script itself (sbatch, no srun) also sees
 SLURM_PROCID=0 and SLURM_NTASKS of the whole allocation, and is one process, not task 0 of many.
 
@@ -91,20 +97,37 @@ def adopt_launcher_env(devices: int = 1, num_nodes: int = 1,
     if not (0 <= rank < size and 0 <= local_rank < local_size <= size):
         raise InputError(f"{launcher.name} says rank {rank} of {size}, local rank {local_rank} of "
                          f"{local_size}: these do not fit together")
-    # MPI maps ranks to nodes in blocks by default; srun says which node this is
-    node_rank = rank // local_size if launcher.local_size else _int(environ, "SLURM_NODEID", 0)
+    node_rank = (mpi_node_rank(rank, size, local_rank, local_size) if launcher.local_size
+                 else _int(environ, "SLURM_NODEID", 0))  # srun says which node this is
     one_per_node = local_size == 1 and devices > 1 and size == num_nodes
     if devices > 1 and not one_per_node and local_size != devices:
         raise InputError(f"{launcher.name} started {local_size} process(es) on this node, but "
                          f"--devices is {devices}: start one process per device (or one per node "
                          f"with --num-nodes {size}), or leave --devices out")
-    environ.setdefault("NODE_RANK", str(node_rank))
+    if node_rank is not None:
+        environ.setdefault("NODE_RANK", str(node_rank))
     _rendezvous(environ, launcher, multi_node=local_size < size)
     if not one_per_node:  # this process is a worker: torchrun's names for it
         environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                        LOCAL_WORLD_SIZE=str(local_size))
         _share_cores(environ, local_size)
     return launcher.name
+
+
+def mpi_node_rank(rank: int, size: int, local_rank: int, local_size: int) -> int | None:
+    """This process's node under mpirun, whose variables name no node: what its rank and local
+    rank allow. In blocks (--map-by slot or ppr:N:node, the default) rank r is on node
+    r // local_size as local rank r % local_size; round-robin (--map-by node) on node r % nodes
+    as local rank r // nodes. None where the two fit and disagree, or neither fits (a placement
+    of another kind): NODE_RANK is then left unset rather than guessed."""
+    if local_size in (1, size):  # one process per node, or one node
+        return rank // local_size
+    nodes = size // local_size if size % local_size == 0 else None
+    blocks = rank // local_size if local_rank == rank % local_size else None
+    rounds = rank % nodes if nodes and local_rank == rank // nodes else None
+    if blocks is not None and rounds is not None:
+        return blocks if blocks == rounds else None
+    return blocks if blocks is not None else rounds
 
 
 def _rendezvous(environ, launcher: Launcher, multi_node: bool) -> None:
