@@ -54,8 +54,10 @@ class HFOptions(GRPOOptions, PreferenceOptions):
     """The base model folder of an adapter folder given as --model or --ref-model; unset means
     the one its adapter_config.json names (base_model_name_or_path)."""
     dataset: str | None = None
-    """Local data: a UTF-8 file, a folder of them, JSON Lines or a save_to_disk folder with a text
-    column (causal LM) or chat / instruction columns (SFT: messages, conversations, prompt + completion)."""
+    """Local data: a UTF-8 file, a folder of them, a JSON Lines or Parquet file or a folder of them
+    (its validation/ subfolder evaluated on), or a save_to_disk folder, with a text column (causal
+    LM), chat / instruction columns (SFT: messages, conversations, prompt + completion), prompt +
+    chosen + rejected (DPO) or prompts (GRPO, with --reward-funcs)."""
     method: str = "auto"
     """What to train: auto (from the data's columns), lm (causal LM on text), sft (chat and
     instruction rows), dpo (preference pairs: prompt, chosen, rejected), grpo (prompts, rewarded
