@@ -187,6 +187,61 @@ def test_a_pass_ends_on_every_rank_when_one_rank_runs_out(tmp_path, tokenizer):
         assert torch.equal(first, again)  # the second pass starts at this rank's first block
 
 
+def two_ranks(folder, tokenizer, steps: int, batch_size: int = 2):
+    """Two ranks as two threads whose `agree` is a real sum over both: (each rank's [(input_ids,
+    epoch)] of `steps` micro-batches, the lines each rank's `notify` was given)."""
+    barrier, sums, got, said = threading.Barrier(2), [None, None], {}, {0: [], 1: []}
+
+    def agree(rank):
+        def total(values):
+            sums[rank] = values
+            barrier.wait()
+            out = [a + b for a, b in zip(*sums)]
+            barrier.wait()
+            return out
+        return total
+
+    def run(rank):
+        batches = MicroBatches(stream_of(folder, tokenizer), default_collate, batch_size=batch_size,
+                               rank=rank, world_size=2, agree=agree(rank), notify=said[rank].append)
+        got[rank] = [(b["input_ids"], batches.epoch_of(k + 1))
+                     for k, b in zip(range(steps), batches.iterate(0))]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got, said
+
+
+def test_what_uneven_shards_leave_unread_is_said_once(tmp_path, tokenizer):
+    """Issue 39 item 12: rank 0 reads part-000 (40 rows) and part-002, rank 1 part-001 (10 rows):
+    every pass ends when rank 1's run out, so the rest of part-000 and all of part-002 are never
+    read. One line says so, naming the shards and the row rank 0 stopped after, once in a run of
+    three passes; an even split says nothing. Nothing was said."""
+    folder = write_shards(tmp_path / "d", [text_rows(0, 40), text_rows(1, 10), text_rows(2, 12)],
+                          parquet=(2,))
+    got, said = two_ranks(folder, tokenizer, 30)
+    short = stream_of(folder, tokenizer)
+    short.take_rank(1, 2)
+    per_pass = len(list(short)) // 2
+    assert [e for _, e in got[0]] == [k // per_pass for k in range(30)] and 30 // per_pass >= 2
+    alone = stream_of(folder, tokenizer)  # where rank 0 stands after its last micro-batch of a pass
+    alone.take_rank(0, 2)
+    for _, _ in zip(range(2 * per_pass), alone):
+        pass
+    row = alone.state_dict()["row"]
+    assert 0 < row < 40 and said[0] == said[1] and len(said[0]) == 1, said
+    line = said[0][0]
+    assert "rank 1's shards ran out" in line, line
+    assert f"never read: rank 0: part-000.jsonl after row {row}, part-002.parquet." in line, line
+
+    even = write_shards(tmp_path / "even", [text_rows(0, 5), text_rows(1, 5)])
+    got, said = two_ranks(even, tokenizer, 20)
+    assert said == {0: [], 1: []} and max(e for _, e in got[0]) >= 1  # two passes, nothing left
+
+
 def test_microbatches_resume_from_the_saved_position(tmp_path, tokenizer):
     folder = write_shards(tmp_path / "d", [text_rows(0, 30), text_rows(1, 20)])
     straight = MicroBatches(stream_of(folder, tokenizer), default_collate, batch_size=2, accumulate=2)
@@ -335,8 +390,13 @@ def test_two_processes_resume_exactly(tmp_path, llama_folder):  # noqa: F811
                               capture_output=True, text=True, timeout=600,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+        return proc
 
-    train(tmp_path / "straight")
+    proc = train(tmp_path / "straight")
+    # issue 39 item 12: shard 2 and the end of shard 0 (rank 0's) are never read: said, once
+    assert "3 shards do not split evenly over 2 ranks" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stderr.count("never read: rank 0: part-000.jsonl after row") == 1, proc.stderr[-3000:]
+    assert "part-002.parquet" in proc.stderr
     saved = tmp_path / "straight" / "checkpoint-5"
     positions = [json.loads((saved / f"data_state_rank{r}.json").read_text()) for r in (0, 1)]
     assert [p["file"] for p in positions] != [None, None]

@@ -445,9 +445,10 @@ class MicroBatches:
 
     def __init__(self, dataset, collate, batch_size: int, accumulate: int = 1, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 loading: LoaderOptions = LoaderOptions(), agree=None):
+                 loading: LoaderOptions = LoaderOptions(), agree=None, notify=None):
         self.dataset, self.collate = dataset, collate
         self.loading = loading
+        self.notify = notify  # line -> None: says what a rank-local stream's passes leave unread
         # A data set that reads its own shards (data/streaming.py) is this rank's already: it is
         # told its rank here and never sliced; `agree` (values -> their sums over the ranks: the
         # process group's host_sum) ends its passes together (local_stream).
@@ -547,8 +548,7 @@ class MicroBatches:
         self._resumed = state
 
     def check_data_state(self, state) -> None:
-        """Raise ValueError (why) unless `state`, read from a checkpoint, is a position this rank's
-        stream can continue from; any state passes for a data set without positions."""
+        """Raise ValueError (why) unless this rank's stream can continue from `state`."""
         if self.own_shards:
             self.dataset.check_position(state)
 
@@ -576,7 +576,10 @@ class MicroBatches:
                     if empty:
                         raise InputError("--streaming: a rank's shards hold less than one micro-batch "
                                          f"({self.batch_size} samples): give every rank more data")
-                    if ended:
+                    if ended:  # what ranks that still had samples leave: said once (ShardStream)
+                        line = self.dataset.pass_ended(item is not None, position, self.agree)
+                        if line and self.notify:
+                            self.notify(line)
                         break
                     batch, position = item
                     produced, count = produced + 1, count + 1

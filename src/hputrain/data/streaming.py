@@ -11,7 +11,8 @@ is read by rank i % world_size, and by no other.
 its rank (`take_rank`) and never slices its samples; it saves `state_dict()` after every
 micro-batch and restores it with `load_state_dict`. One pass over this rank's shards is an epoch;
 `next_epoch` starts the next pass, which MicroBatches calls on every rank as soon as one rank's
-shards run out (an agreement through the process group), so every rank takes the same steps.
+shards run out (an agreement through the process group), so every rank takes the same steps; what
+the other ranks had left is then never read, and `pass_ended` says what, once, in one line.
 
 Rows become samples in one of three ways (`packing`):
 
@@ -190,6 +191,7 @@ class ShardStream(IterableDataset):
                              f"split the data into at least {world_size} files")
         self.rank, self.world_size = rank, world_size
         self.shards = self.all_shards[rank::world_size]
+        self._told_unread = False
         self._state = self._start(0)
 
     # -- the position ---------------------------------------------------------------------------
@@ -250,6 +252,56 @@ class ShardStream(IterableDataset):
     @property
     def epoch(self) -> int:
         return self._state["epoch"]
+
+    # -- what a pass leaves unread ----------------------------------------------------------------
+    def pass_ended(self, left: bool, position: dict, agree) -> str | None:
+        """Called on every rank when the ranks agree that a pass ended, the first time only with
+        effect: where each rank that still had samples (`left`) stopped (`position`, after its last
+        micro-batch), summed over the ranks by `agree`, as one line (on every rank). Every pass
+        ends at the same place, so what those ranks leave is never read: their shards hold more
+        than the shortest rank's. None when nothing is left, or already said."""
+        if self.world_size == 1 or self._told_unread:
+            return None
+        self._told_unread = True
+        n, at = self.world_size, self.unread_from(position) if left else None
+        mine = [0.0] * (3 * n)
+        mine[self.rank] = 1.0  # context-parallel ranks share a data-parallel rank: each reports it
+        if at is not None:
+            mine[n + self.rank], mine[2 * n + self.rank] = at[0] + 1, at[1]
+        summed = agree(mine)
+        places = {k: (round(summed[n + k] / summed[k]) - 1, round(summed[2 * n + k] / summed[k]))
+                  for k in range(n) if summed[k]}
+        unread = [f"rank {k}: {self.unread(k, *place)}" for k, place in places.items()
+                  if place[0] >= 0]
+        if not unread:
+            return None
+        ran_out = ", ".join(str(k) for k, place in places.items() if place[0] < 0)
+        return (f"warning: --streaming's pass ended when rank {ran_out}'s shards ran out (every rank "
+                "then starts its next pass, so that all take the same steps), and every pass ends "
+                f"there, so these are never read: {'; '.join(unread)}. Give every rank as much "
+                f"data: shards of even size, as many per rank ({n} ranks)")
+
+    def unread_from(self, state: dict) -> tuple[int, int] | None:
+        """(shard, rows of it read) where what this rank has not given out of its pass begins,
+        at `state`; None when its shards are read to the end (the tokens left pending then are
+        dropped by design)."""
+        shard, row = state["shard"], state["row"]
+        path = self.shards[shard]
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            done = row >= pq.ParquetFile(path).metadata.num_rows
+        else:
+            done = state["offset"] >= path.stat().st_size
+        if done:
+            shard, row = shard + 1, 0
+        return (shard, row) if shard < len(self.shards) else None
+
+    def unread(self, rank: int, shard: int, row: int) -> str:
+        """The shards of `rank` from (shard, rows of it read) on, by name: what it leaves unread."""
+        mine = self.all_shards[rank::self.world_size][shard:]
+        names = [f"{mine[0].name} after row {row}" if row else mine[0].name] + [p.name for p in mine[1:]]
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     # -- the samples ------------------------------------------------------------------------------
     def __iter__(self):

@@ -9,7 +9,9 @@ or prompt + completion mean SFT (sft.encode_row), packed a buffer of examples at
 (packing.pack) or, with --no-packing, one example a row. Preference pairs (DPO) are refused.
 
 A stream has no length: --max-steps sets the run's length. A pass over a rank's shards is an
-epoch; when one rank's shards run out, every rank starts its next pass (data.MicroBatches). A
+epoch; when one rank's shards run out, every rank starts its next pass (data.MicroBatches), so
+what the others had left is never read: the header says when the shards do not split evenly over
+the ranks, and a line at the first pass's end names what is left (ShardStream.pass_ended). A
 shard folder has no split to hold out: a `validation` subfolder of shards is evaluated on (read
 whole, so keep it small), else there is no evaluation.
 """
@@ -164,10 +166,13 @@ def stream_header(first_line: str, trainer, options, data: StreamData, block_siz
     else:
         validation = (f"none (--streaming evaluates on a {VALIDATION_FOLDER}/ subfolder of --dataset, "
                       "and it has none)")
+    count = len(stream.all_shards)
+    uneven = (f"; {count} shards do not split evenly over {ranks} ranks: a pass ends when the first "
+              "rank's run out, and a line says what the others leave unread" if count % ranks else "")
     return (f"{first_line}\n"
             f"hputrain: method: {hf_sft.METHODS[data.method]}\n"
-            f"hputrain: streaming {len(stream.all_shards)} shard(s) of {options.dataset} (shard i on "
-            f"data-parallel rank i % {ranks}; rank 0 reads {len(stream.all_shards[::ranks])}): "
+            f"hputrain: streaming {count} shard(s) of {options.dataset} (shard i on "
+            f"data-parallel rank i % {ranks}; rank 0 reads {len(stream.all_shards[::ranks])}{uneven}): "
             f"{shape} of {block_size} tokens, made on the fly; each checkpoint saves every rank's "
             "position in its stream (data_state_rankR.json)\n"
             f"hputrain: validation: {validation}")

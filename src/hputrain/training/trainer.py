@@ -519,7 +519,8 @@ class Trainer(CallbackHost):
         batches = MicroBatches(self.train_dataset, self._collate, self.args.per_device_train_batch_size,
                                self.args.gradient_accumulation_steps, self.group.dp_rank,
                                self.group.dp_size, self.args.seed, loading=self._loading(),
-                               agree=self.group.host_sum)  # a rank-local stream's passes end together
+                               agree=self.group.host_sum,  # a rank-local stream's passes end together
+                               notify=_notice if self.group.is_main else None)
         return self.objective.train_batches(batches)  # GRPO: rollouts made from these prompts
 
     def _loading(self) -> LoaderOptions:
@@ -601,6 +602,11 @@ _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).par
 
 
 # -- small helpers ---------------------------------------------------------------------------------
+
+def _notice(line: str) -> None:
+    """A line for the user in the middle of a run (rank 0's), beside the progress bar."""
+    print(f"hputrain: {line}", file=sys.stderr, flush=True)
+
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
