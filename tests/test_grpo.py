@@ -197,9 +197,6 @@ def test_bad_input_is_one_line(folder, tmp_path):
         trainer.train()
     with pytest.raises(InputError, match="num_generations"):
         config(tmp_path, num_generations=1)
-    with pytest.raises(InputError, match="temperature"):
-        GRPOTrainer(model, config(tmp_path, temperature=0.0), reward_funcs=[tens],
-                    train_dataset=rows, processing_class=tokenizer)
     with pytest.raises(InputError, match="reward_funcs"):
         GRPOTrainer(model, config(tmp_path), train_dataset=rows, processing_class=tokenizer)
 
@@ -242,3 +239,140 @@ def test_from_the_command_line(folder, tmp_path, capsys):
         lines = [line for line in err.splitlines() if line.startswith("hputrain: error")]
         assert status == 2 and len(lines) == 1 and message in lines[0], (args, err[-1500:])
         assert "Traceback" not in err
+    # issue 39, item 8: the header says the precision and the learning rate
+    assert " in float32" in out and "learning rate 1e-06;" in out
+
+
+# -- issue 39: what reward functions are handed, and what they log ------------------------------
+
+def test_reward_functions_logs_and_trainer_state_reach_the_files(folder, tmp_path):
+    """Item 6: log_extra's columns land in completions.jsonl and log_metric's values are averaged
+    into that step's metrics record (as TRL averages them), then forgotten. Item 8: trainer_state
+    has the run's max_steps (TRL's), so a reward scheduled by progress runs. Item 9: two functions
+    of one name keep both their metrics (tens, tens_2)."""
+    model, tokenizer = load(folder)
+    logged, states = {}, []
+
+    def tens(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **_):
+        states.append((trainer_state.global_step, trainer_state.max_steps))
+        lengths = [len(ids) for ids in completion_ids]
+        log_extra("length_seen", lengths)
+        for value in (min(lengths), max(lengths)):
+            log_metric("length_spread", float(value))
+            logged.setdefault(trainer_state.global_step, []).append(float(value))
+        progress = trainer_state.global_step / trainer_state.max_steps  # TRL's schedule by progress
+        return [progress * sum(t % 10 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    def other():
+        def tens(completion_ids, **_):
+            return [0.0 for _ in completion_ids]
+        return tens
+
+    trainer = GRPOTrainer(model, config(tmp_path, max_steps=3), reward_funcs=[tens, other()],
+                          train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer)
+    trainer.train()
+    assert states == [(1, 3), (2, 3), (3, 3)]
+    assert trainer.objective.reward_funcs.names == ["tens", "tens_2"]
+    assert trainer.objective.reward_funcs.take_logs() == ({}, {})  # handed over each rollout
+    logs = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["length_spread"] for r in logs] == pytest.approx([sum(v) / len(v) for v in logged.values()])
+    assert {"rewards/tens/mean", "rewards/tens_2/mean"} <= set(logs[0])
+    lines = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 * 8 and all(row["length_seen"] == row["completion_tokens"] for row in lines)
+
+
+def test_temperature_0_decodes_greedily(folder, tmp_path):
+    """Item 8: temperature 0 is greedy, as its docstring says (it was refused): a prompt's
+    completions are all the model's argmax continuation, so their advantages are 0; the
+    log-probs are then the model's own (temperature 1), so the loss is finite."""
+    model, tokenizer = load(folder)
+    trainer = GRPOTrainer(model, config(tmp_path, temperature=0.0, max_steps=1), reward_funcs=[tens],
+                          train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer)
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    prompt = lines[0]["prompt"]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    greedy = load(folder)[0].generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                      pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    expected = tokenizer.decode(greedy, skip_special_tokens=True)
+    group = [row for row in lines if row["prompt"] == prompt]
+    assert group and all(row["completion"] == expected for row in group)
+    assert all(row["advantage"] == 0 for row in lines)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records(tmp_path) if "loss" in r)
+
+
+def test_prompts_longer_than_the_largest_bucket_are_kept_as_trl_keeps_them(folder, tmp_path):
+    """Item 8: a prompt longer than the largest bucket gets the next multiple of it (TRL keeps
+    every prompt whole); only one the model's positions cannot hold with the completion is left
+    out. The tiny Llama has 128 positions: 128 - 16 completion tokens leave 112."""
+    model, tokenizer = load(folder)
+    long = " ".join(["the quick brown fox"] * 4)
+    too_long = " ".join(["the quick brown fox"] * 12)
+    sizes = [len(tokenizer(text).input_ids) for text in (long, too_long)]
+    assert 16 < sizes[0] <= 112 < sizes[1]
+    rows = [{"prompt": p} for p in PROMPTS[:7]] + [{"prompt": long}, {"prompt": too_long}]
+    trainer = GRPOTrainer(model, config(tmp_path, max_steps=2, prompt_buckets=[8, 16]),
+                          reward_funcs=[tens], train_dataset=rows, processing_class=tokenizer)
+    assert trainer.objective.left_out == 1 and trainer.objective.longest_prompt == 112
+    trainer.train()
+    prompts = {json.loads(x)["prompt"] for x in (tmp_path / "completions.jsonl").read_text().splitlines()}
+    assert long in prompts and too_long not in prompts
+
+
+def test_a_resume_with_changed_settings_says_what_changed(folder, tmp_path, capsys):
+    """Item 8: the checkpoint records num_generations, the reward functions and
+    max_completion_length; a resume that changes them says so, one line each, and trains."""
+    rows = [{"prompt": p} for p in PROMPTS]
+
+    def other(prompts, completions, completion_ids, **_):
+        return [1.0 for _ in completion_ids]
+
+    for settings, funcs, resume in [({}, [tens], None),
+                                    (dict(num_generations=2, max_completion_length=8), [other],
+                                     str(tmp_path / "checkpoint-1"))]:
+        model, tokenizer = load(folder)
+        trainer = GRPOTrainer(model, config(tmp_path, max_steps=2 if resume else 1, save_steps=1,
+                                            **settings),
+                              reward_funcs=funcs, train_dataset=rows, processing_class=tokenizer)
+        capsys.readouterr()
+        trainer.train(resume_from_checkpoint=resume)
+    said = capsys.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if line.startswith("resuming with")]
+    assert lines == ["resuming with num_generations 2 where the checkpoint's run had 4: the new one "
+                     "holds from here on",
+                     "resuming with reward_funcs other where the checkpoint's run had tens: the new "
+                     "one holds from here on",
+                     "resuming with max_completion_length 8 where the checkpoint's run had 16: the "
+                     "new one holds from here on"]
+    assert (tmp_path / "checkpoint-2").is_dir()
+
+
+def test_misleading_lines_now_say_what_is_wrong(folder, tmp_path, capsys):
+    """Item 9: prompts without --reward-funcs, a data set without a 'prompt' column given
+    --reward-funcs, an empty file, and the default --max-completion-length (512) on a model of
+    128 positions: one line each that names the cause, before any header."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def tens(completion_ids, **_):\n    return [0.0 for _ in completion_ids]\n")
+    data = {"prompts": [{"prompt": "the quick", "answer": "1"}] * 8,
+            "questions": [{"question": "the quick", "answer": "1"}] * 8, "empty": []}
+    for name, rows in data.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    funcs = ["--reward-funcs", f"{rewards}:tens"]
+    for dataset, flags, says in [
+            ("prompts", ["--max-completion-length", "8"],
+             "--dataset {} holds prompts without completions (prompt, answer): GRPO trains on them "
+             "with --reward-funcs FILE.py:NAME [...] or a reward-model folder; SFT needs a "
+             "'completion' beside each 'prompt'"),
+            ("questions", funcs, "--reward-funcs trains with GRPO on rows with a 'prompt' and no "
+                                 "completion; --dataset {} has: question, answer"),
+            ("empty", funcs, "--dataset {} holds no rows: it is empty"),
+            ("empty", [], "--dataset {} holds no rows: it is empty"),
+            ("prompts", funcs, "max_completion_length (--max-completion-length) 512 leaves no room "
+                               "for a prompt in the model's 128 positions "
+                               "(config.max_position_embeddings): give 127 or less")]:
+        path = tmp_path / f"{dataset}.jsonl"
+        status, out, err = hputrain_train(capsys, "--model", str(folder), "--dataset", str(path),
+                                          "--output-dir", str(tmp_path / "out"), *flags)
+        lines = [line for line in err.splitlines() if line.startswith("hputrain: error")]
+        assert status == 2 and lines == [f"hputrain: error: {says.format(path)}"], err[-1500:]
+        assert "hputrain:" not in out and "Traceback" not in err  # no header before the line

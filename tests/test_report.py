@@ -146,3 +146,18 @@ def test_a_bad_line_that_is_not_the_last_is_still_an_error(tmp_path):
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}')
     with pytest.raises(InputError, match=r"metrics\.jsonl:2: not valid JSON"):
         read_metrics(path)
+
+
+def test_a_grpo_run_plots_its_reward_not_its_near_zero_loss(tmp_path):
+    """Issue 39, item 8: GRPO's loss is near 0 by construction (a group's advantages sum to 0);
+    its report plots the train and eval reward (reward.png) instead."""
+    records = [_train(s, 1e-4 * (-1) ** s, reward=0.1 * s) for s in (1, 2, 3)]
+    records.append({"step": 3, "epoch": 0, "eval_loss": 0.0, "eval_reward": 0.35})
+    run = _write(tmp_path / "grpo", records)
+    written = write_report(run)
+    assert sorted(p.name for p in written) == ["memory.png", "reward.png", "throughput.png"]
+    assert (run / "reward.png").read_bytes().startswith(PNG_MAGIC)
+    assert series(records)["reward"] == ([1, 2, 3], [0.1, 0.2, 0.30000000000000004])
+    assert series(records)["eval_reward"] == ([3], [0.35])
+    plain = write_report(_write(tmp_path / "lm", _records()))  # a run without rewards: its loss
+    assert "loss.png" in {p.name for p in plain} and "reward.png" not in {p.name for p in plain}

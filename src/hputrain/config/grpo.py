@@ -69,8 +69,9 @@ class GRPOOptions:
     """Tokens generated per completion: every completion is decoded to this length (a static KV
     cache, one graph for the decode step), then cut after its end of sequence."""
     temperature: float = 1.0
-    """Sampling temperature; higher gives more varied completions, 0 decodes greedily (every
-    completion of a prompt then alike, so no advantage to learn from)."""
+    """Sampling temperature; higher gives more varied completions, and the log-probs are taken at
+    it, as TRL takes them. 0 decodes greedily, the log-probs then the model's own (temperature
+    1): every completion of a prompt is then alike, so there is no advantage to learn from."""
     top_p: float = 1.0
     """Nucleus sampling: keep the fewest most likely tokens whose probabilities reach this sum,
     in (0, 1]; 1 keeps all."""
@@ -124,9 +125,11 @@ class GRPOOptions:
     """Switch dropout off in the policy (and reference), so that log-probs of the same tokens
     agree between generation, reference and training."""
     prompt_buckets: list[int] | tuple[int, ...] = PROMPT_BUCKETS
-    """hputrain's own: the prompt lengths a prompt is left-padded to (the nearest that holds it;
-    a longer prompt keeps its last tokens), so generation and training see a few fixed shapes,
-    which lazy mode and graphs compile once each, instead of one per prompt length."""
+    """hputrain's own: the prompt lengths a prompt is left-padded to (the nearest that holds it),
+    so generation and training see a few fixed shapes, which lazy mode and graphs compile once
+    each, instead of one per prompt length. A longer prompt is kept whole, as TRL keeps it, and
+    padded to the next multiple of the largest; only one that the model's positions cannot hold
+    beside max_completion_length tokens is left out (counted in the header)."""
 
 
 def check_grpo(options) -> None:

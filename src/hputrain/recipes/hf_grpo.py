@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config.grpo import GRPOConfig, grpo_values
 from ..errors import InputError
 from . import hf_data
-from .hf_common import held_out
+from .hf_common import held_out, model_line
 
 
 def run_grpo(options, training_args, accelerator_config, folder: Path, model, tokenizer,
@@ -82,8 +82,6 @@ def _validation_line(options, validation) -> str:
 def _header(options, model, trainer, rows: int, ref_folder) -> str:
     objective, config = trainer.objective, trainer.args
     layout = objective.layout
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
     if config.beta == 0:
         reference = "none (beta 0)"
     elif ref_folder is not None:
@@ -94,14 +92,32 @@ def _header(options, model, trainer, rows: int, ref_folder) -> str:
         reference = "a frozen copy of the starting weights"
     weights = ", ".join(f"{n} x{w:g}" for n, w in zip(objective.reward_funcs.names,
                                                       objective.reward_funcs.weights.tolist()))
-    return (f"hputrain: {type(model).__name__} from {options.model}: {total:,} parameters, "
-            f"{trainable:,} trained\n"
+    longest = objective.longest_prompt
+    left_out = (f"empty or longer than {longest} tokens, the model's positions less "
+                f"--max-completion-length" if longest is not None else "empty")
+    sampling = (f"temperature {config.temperature:g}" if config.temperature > 0 else
+                "temperature 0: greedy, so a prompt's completions are alike and their advantages 0")
+    return (f"{model_line(trainer, model, options)}\n"
             f"hputrain: method: GRPO on prompts, rewards: {weights}\n"
-            f"hputrain: loss {config.loss_type}, beta {config.beta:g}, epsilon {config.epsilon:g}; "
-            f"reference: {reference}\n"
+            f"hputrain: loss {config.loss_type}, beta {config.beta:g}, epsilon {config.epsilon:g}, "
+            f"learning rate {config.learning_rate:g}; reference: {reference}\n"
             f"hputrain: {rows} rows, {len(objective.kept)} prompts, {objective.left_out} left out "
-            f"(longer than the largest prompt bucket, {max(config.prompt_buckets)} tokens)\n"
+            f"({left_out})\n"
             f"hputrain: {config.num_generations} completions of {config.max_completion_length} "
             f"tokens per prompt; generation batch {layout.generation_rows} completions "
             f"({layout.prompts_per_generation} prompts) every {layout.micro_per_generation} "
-            f"micro-batch(es); temperature {config.temperature:g}\n")
+            f"micro-batch(es); {sampling}\n" + _resume_line(config))
+
+
+def _resume_line(config) -> str:
+    """Which checkpoint the run resumes from, when it resumes (a "latest" with none yet: the
+    trainer says it starts from the beginning)."""
+    from ..checkpoint.saving import resolve_checkpoint
+
+    if not config.resume_from_checkpoint:
+        return ""
+    try:
+        folder = resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+    except InputError:  # the trainer says why, in one line
+        return ""
+    return f"hputrain: resuming from {folder.name} (--resume-from-checkpoint)\n"

@@ -19,7 +19,9 @@ def data_kind(options) -> str:
     from ..data.preference import is_preference
     from .hf_data import columns_of
 
-    columns = columns_of(options.dataset) or []
+    columns = columns_of(options.dataset)
+    check_not_empty(options.dataset, columns)
+    columns = columns or []
     kind = ("dpo" if is_preference(columns) else
             "grpo" if is_prompts(columns) and (options.reward_funcs or options.method == "grpo")
             else "lm_or_sft")
@@ -36,11 +38,28 @@ def data_kind(options) -> str:
     if kind == "grpo" and not options.reward_funcs:
         raise InputError("GRPO needs --reward-funcs FILE.py:NAME [...] (functions with TRL's "
                          "signature) or a reward-model folder")
+    if (options.method == "auto" and is_prompts(columns) and not options.reward_funcs
+            and options.text_column not in columns):  # prompts alone: GRPO's, without its rewards
+        raise InputError(f"--dataset {options.dataset} holds prompts without completions ({found}): "
+                         "GRPO trains on them with --reward-funcs FILE.py:NAME [...] or a "
+                         "reward-model folder; SFT needs a 'completion' beside each 'prompt'")
+    if kind == "lm_or_sft" and options.reward_funcs:  # not "is for prompts rewarded by" itself
+        raise InputError(f"--reward-funcs trains with GRPO on rows with a 'prompt' and no "
+                         f"completion; --dataset {options.dataset} has: {found}")
     if options.method in ("lm", "sft") and kind == "dpo":
         raise InputError(f"--method {options.method}: --dataset {options.dataset} holds preference "
                          "pairs (chosen, rejected): train them with --method dpo (or auto)")
     _refuse_other_methods_flags(options, kind)
     return kind
+
+
+def check_not_empty(path, columns) -> None:
+    """One line for a file of records, or a folder of them, that holds no row (`columns` []),
+    rather than a line about the fields its missing first row lacks."""
+    from .hf_data import records
+
+    if columns == [] and next(records(path), None) is None:
+        raise InputError(f"--dataset {path} holds no rows: it is empty")
 
 
 def is_prompts(columns) -> bool:

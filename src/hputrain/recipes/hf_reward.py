@@ -79,8 +79,11 @@ def check_reward_data(options, folder: Path) -> str:
     from ..config.preference import preference_flags_given
     from ..data.preference import is_preference, pair_shape
     from .hf_adapters import is_adapter_folder
+    from .hf_methods import check_not_empty
 
-    columns = hf_data.columns_of(options.dataset) or []
+    columns = hf_data.columns_of(options.dataset)
+    check_not_empty(options.dataset, columns)
+    columns = columns or []
     if not is_preference(columns):
         raise InputError(f"--method reward needs preference rows ('chosen' and 'rejected', and "
                          f"optionally 'prompt' and 'margin'); --dataset {options.dataset} has: "

@@ -25,25 +25,31 @@ from dataclasses import dataclass
 import torch
 
 from ..config.grpo import GRPOConfig, generation_layout
+from ..data.batching import base_model
 from ..errors import InputError
+from ..execution.inference import max_length
 from ..execution.generation import (Sampling, StaticGenerator, attention_mask, completion_mask,
                                     end_token_ids, mask_kind)
 from .grpo_eval import EvalPlan, EvalRollouts, first_batch
 from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
                         reward_metrics)
 from .logps import token_logps
+from .intervals import total_steps_of
 from .objective import Objective, adapters_disabled
-from .rewards import CompletionsLog, RewardFunctions, completion_for, conversational
+from .rewards import CompletionsLog, RewardFunctions, RewardState, completion_for, conversational
 from .rollout import Layout, Rollouts
 from .trainer import Trainer
 
 IGNORE_INDEX = -100
 
 
-def encode_prompts(rows: list[dict], tokenizer, longest: int) -> tuple[list[int], list[list[int]]]:
+def encode_prompts(rows: list[dict], tokenizer, longest: int | None) -> tuple[list[int], list[list[int]]]:
     """(indices of the rows kept, their prompts' token ids): text prompts tokenized as TRL does
     (the tokenizer's own special tokens), conversations through the chat template with its
-    generation prompt. A prompt longer than `longest` (the largest bucket) is left out."""
+    generation prompt. Prompts are kept whole, as TRL keeps them (one longer than the largest
+    bucket gets the next multiple of it); an empty one, or one longer than `longest` (what the
+    model's positions leave beside the completion; None: no limit), is left out."""
+
     kept, ids = [], []
     for index, row in enumerate(rows):
         if "prompt" not in row:
@@ -56,7 +62,7 @@ def encode_prompts(rows: list[dict], tokenizer, longest: int) -> tuple[list[int]
             tokens = tokenizer(prompt)["input_ids"]
         else:
             raise InputError(f"row {index + 1}: 'prompt' is neither text nor a list of messages")
-        if 0 < len(tokens) <= longest:
+        if 0 < len(tokens) and (longest is None or len(tokens) <= longest):
             kept.append(index)
             ids.append(list(tokens))
     return kept, ids
@@ -119,28 +125,27 @@ class GRPOObjective(Objective):
     """True inside evaluating(): a batch is then its own generation batch."""
 
     def __init__(self, config: GRPOConfig, reward_funcs, rows: list[dict], tokenizer, *,
-                 reference=None, adapters=None, complete=None) -> None:
+                 reference=None, adapters=None, complete=None, positions=None) -> None:
         self.config, self.rows, self.tokenizer = config, rows, tokenizer
         self.reward_funcs = reward_funcs
         self.reference, self.adapters = reference, adapters
         self.mask_kind = None  # the training forward's 4-D mask (_logps), from the model at bind
         self.complete = complete  # a test's fixed completions: (generation, prompt ids) -> ids
-        if config.temperature <= 0:
-            raise InputError(f"GRPO samples its completions: temperature must be positive (log-probs "
-                             f"are taken at it, as TRL does), got {config.temperature}")
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
                                  top_k=config.top_k, min_p=config.min_p,
                                  repetition_penalty=config.repetition_penalty).check()
-        buckets = tuple(config.prompt_buckets)
-        self.kept, self.prompt_ids = encode_prompts(rows, tokenizer, max(buckets))
+        self.positions = positions  # (the model's positions, its config's name for them) or None
+        self.longest_prompt = _longest_prompt(config.max_completion_length, positions)
+        self.kept, self.prompt_ids = encode_prompts(rows, tokenizer, self.longest_prompt)
         self.left_out = len(rows) - len(self.kept)
         if not self.kept:
-            raise InputError(f"no prompt is left to train on: every one is empty or longer than the "
-                             f"largest prompt bucket ({max(buckets)} tokens)")
+            raise InputError(f"no prompt is left to train on: every one is empty{self._too_long()}")
         self.sums: torch.Tensor | None = None
         self.extremes: list[torch.Tensor] = []  # each micro-batch's (grpo_loss.EXTREMES)
         self.rollout_metrics: list[dict] = []
         self.step = 0  # the optimizer step the latest micro-batch belongs to (reward functions')
+        self.max_steps = 0  # the run's steps (reward functions' trainer_state), from train_batches
+        self.logged: dict[str, list[float]] = {}  # the functions' log_metric values since a record
         self._eval_prompts = None  # (data set, its rows, kept indices, prompt ids): encoded once
         self.collate = first_batch  # evaluation's batches come whole (grpo_eval.py)
         self.generation_seconds, self.since = 0.0, time.perf_counter()
@@ -180,8 +185,32 @@ class GRPOObjective(Objective):
         return RolloutCount()
 
     def train_batches(self, batches):
-        return StepRollouts(len(self.kept), self.layout, self.config.seed, self.rollout,
-                            self.loop.device, self)
+        rollouts = StepRollouts(len(self.kept), self.layout, self.config.seed, self.rollout,
+                                self.loop.device, self)
+        self.max_steps = total_steps_of(rollouts, self.config.max_steps, self.config.num_train_epochs)
+        return rollouts
+
+    def state(self) -> dict:
+        """What a checkpoint records of the run's GRPO settings (for resume_notes)."""
+        cfg = self.config
+        return {"grpo": {"num_generations": cfg.num_generations, "reward_funcs": self.reward_funcs.names,
+                         "max_completion_length": cfg.max_completion_length}}
+
+    def resume_notes(self, state: dict) -> list[str]:
+        """A line for each GRPO setting a resumed run changes: it works, with the new value from
+        here on (other groups, rewards or completion lengths than the checkpoint's run had)."""
+        saved, now = state.get("grpo") or {}, self.state()["grpo"]
+        return [f"resuming with {name} {_shown(now[name])} where the checkpoint's run had "
+                f"{_shown(saved[name])}: the new one holds from here on"
+                for name in now if name in saved and saved[name] != now[name]]
+
+    def _too_long(self) -> str:
+        """", or longer than ..." for the lines about prompts left out ("" without a limit)."""
+        if self.longest_prompt is None:
+            return ""
+        return (f" or longer than {self.longest_prompt} tokens (the model's {self.positions[0]} "
+                f"positions less max_completion_length {self.config.max_completion_length})")
+
 
     # -- a rollout --------------------------------------------------------------------------------
     def rollout(self, generation: int, rows: list[int]) -> list[dict]:
@@ -216,14 +245,20 @@ class GRPOObjective(Objective):
         texts = self.tokenizer.batch_decode(tokens_kept, skip_special_tokens=True)
         completions = [completion_for(p, t) for p, t in zip(prompts, texts)]
         columns = {k: [row.get(k) for row in data] for k in data[0] if k != "prompt"}
-        rewards = self.reward_funcs(prompts, completions, tokens_kept, columns, step)
+        rewards = self.reward_funcs(prompts, completions, tokens_kept, columns, step,
+                                    state=RewardState(step, self.max_steps))
+        logs = self.reward_funcs.take_logs()  # what the functions logged: columns and metrics
         if cfg.mask_truncated_completions:
             mask = mask * torch.tensor([not t for t in truncated], device=mask.device)[:, None]
         # the tokens the loss counts (a truncated completion's none, when they are masked)
         active = [0 if cfg.mask_truncated_completions and t else len(k)
                   for k, t in zip(tokens_kept, truncated)]
         everyone = loop.group.gather_objects(
-            (rewards.tolist(), [len(k) for k in tokens_kept], truncated, active, prompts, completions))
+            (rewards.tolist(), [len(k) for k in tokens_kept], truncated, active, prompts, completions,
+             logs))
+        for _, metrics in (part[6] for part in everyone):  # averaged into the next record, as TRL
+            for name, values in metrics.items():
+                self.logged.setdefault(name, []).extend(values)
         all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
         all_rewards = all_rewards.view(-1, len(self.reward_funcs.names))
         advantages = group_advantages(all_rewards, self.reward_funcs.weights, num_generations,
@@ -327,7 +362,8 @@ class GRPOObjective(Objective):
             completions = [c for part in everyone for c in part[5]]
             self.log.write(step, prompts, completions, [a for part in everyone for a in part[3]],
                            scored.rewards, self.reward_funcs.names, self.reward_funcs.weights,
-                           scored.advantages.advantages)
+                           scored.advantages.advantages,
+                           extra=logged_columns([part[6][0] for part in everyone], len(prompts), step))
 
     def _rollout_metrics(self, scored: Scored) -> dict:
         """TRL's completion-length and reward metrics of one rollout (every rank's completions)."""
@@ -376,8 +412,9 @@ class GRPOObjective(Objective):
         mask = attention_mask(batch["attention_mask"], torch.arange(input_ids.shape[1], device=input_ids.device),
                               *(self.mask_kind or mask_kind(module)))
         inputs = {"input_ids": input_ids, "attention_mask": mask}
+        # temperature 0 decodes greedily: the log-probs are then the model's own (temperature 1)
         scored = token_logps(lambda m, x: self.loop.call_model(m, **x), module, inputs, labels,
-                             temperature=self.config.temperature, entropy=entropy, start=start)
+                             temperature=self.config.temperature or 1.0, entropy=entropy, start=start)
         logps = scored.logps[:, start:-1]
         return logps, (scored.entropy[:, start:-1] if entropy else None)
 
@@ -400,6 +437,8 @@ class GRPOObjective(Objective):
         if rollouts:
             for name in rollouts[0]:
                 means[name] = sum(r[name] for r in rollouts) / len(rollouts)
+        logged, self.logged = self.logged, {}  # the reward functions' log_metric values
+        means.update({name: sum(values) / len(values) for name, values in logged.items() if values})
         if not self.evaluation:
             now = time.perf_counter()
             means["generation_share"] = self.generation_seconds / max(now - self.since, 1e-9)
@@ -411,13 +450,13 @@ class GRPOObjective(Objective):
     def evaluating(self):
         """Around an evaluation: training's sums, extremes and rollout metrics since the last
         record kept aside, and the evaluation's time left out of training's generation share."""
-        kept = self.sums, self.extremes, self.rollout_metrics, self.generation_seconds
-        self.sums, self.extremes, self.rollout_metrics = None, [], []
+        kept = self.sums, self.extremes, self.rollout_metrics, self.generation_seconds, self.logged
+        self.sums, self.extremes, self.rollout_metrics, self.logged = None, [], [], {}
         self.evaluation, start = True, time.perf_counter()
         try:
             yield
         finally:
-            self.sums, self.extremes, self.rollout_metrics, self.generation_seconds = kept
+            self.sums, self.extremes, self.rollout_metrics, self.generation_seconds, self.logged = kept
             self.evaluation = False
             self.since += time.perf_counter() - start
 
@@ -426,10 +465,9 @@ class GRPOObjective(Objective):
         per evaluation batch, generated and rewarded when evaluate() comes to it."""
         if self._eval_prompts is None or self._eval_prompts[0] is not dataset:
             rows = [dict(row) for row in dataset]
-            kept, ids = encode_prompts(rows, self.tokenizer, max(self.config.prompt_buckets))
+            kept, ids = encode_prompts(rows, self.tokenizer, self.longest_prompt)
             if not kept:
-                raise InputError("no evaluation prompt is left: every one is empty or longer than "
-                                 f"the largest prompt bucket ({max(self.config.prompt_buckets)} tokens)")
+                raise InputError(f"no evaluation prompt is left: every one is empty{self._too_long()}")
             self._eval_prompts = (dataset, rows, kept, ids)
         _, rows, kept, ids = self._eval_prompts
         plan = self.eval_plan(len(kept))
@@ -453,6 +491,36 @@ class GRPOObjective(Objective):
         self.rollout_metrics.append(self._rollout_metrics(scored))
         batch["num_items"] = self.loop.device_scalar(float(scored.tokens))
         return batch
+
+
+def _longest_prompt(completion: int, positions) -> int | None:
+    """The prompt tokens the model's positions leave beside `completion` tokens (None: no limit);
+    one line naming max_completion_length when they leave none."""
+    if positions is None:
+        return None
+    if completion >= positions[0]:
+        raise InputError(f"max_completion_length (--max-completion-length) {completion} leaves no "
+                         f"room for a prompt in the model's {positions[0]} positions "
+                         f"(config.{positions[1]}): give {positions[0] - 1} or less")
+    return positions[0] - completion
+
+
+def _shown(value) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def logged_columns(parts: list[dict], count: int, step: int) -> dict[str, list]:
+    """The log_extra columns of every rank's share (`parts`, in rank order) joined into one column
+    of `count` values each; one line for a column that is not one value per completion."""
+    columns: dict[str, list] = {}
+    for part in parts:
+        for name, values in part.items():
+            columns.setdefault(name, []).extend(values)
+    for name, values in columns.items():
+        if len(values) != count:
+            raise InputError(f"a reward function logged {len(values)} values in log_extra column "
+                             f"{name!r} at step {step}, for {count} completions (one per completion)")
+    return columns
 
 
 class GRPOTrainer(Trainer):
@@ -487,7 +555,8 @@ class GRPOTrainer(Trainer):
                     module.p = 0.0
         rows = [dict(row) for row in train_dataset]
         objective = GRPOObjective(args, reward_funcs, rows, processing_class,
-                                  reference=ref_model, adapters=adapters, complete=complete)
+                                  reference=ref_model, adapters=adapters, complete=complete,
+                                  positions=max_length(base_model(model)))
         super().__init__(model, args, train_dataset=rows, eval_dataset=eval_dataset,
                          processing_class=processing_class, objective=objective, **kwargs)
         if eval_dataset is not None:  # the batch sizes, checked before training starts

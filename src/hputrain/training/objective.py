@@ -102,6 +102,14 @@ class Objective:
         """Around an evaluation: metrics summed for training's next record are kept aside."""
         yield
 
+    def state(self) -> dict:
+        """The method's settings a checkpoint records (trainer_state.json), for resume_notes."""
+        return {}
+
+    def resume_notes(self, state: dict) -> list[str]:
+        """One line for each recorded setting (`state`, a checkpoint's) a resumed run changes."""
+        return []
+
     counting = True
     """False around a batch a rank repeats only to keep in step with its peers (`uncounted`): a
     method that sums metrics of its own leaves that batch out of them."""

@@ -1,4 +1,6 @@
 """`hputrain report RUN_DIR`: PNG plots of loss, throughput and memory from RUN_DIR/metrics.jsonl.
+A GRPO run's (its records have a reward) plots its reward instead of its loss, which is near 0 by
+construction (the advantages of a group sum to 0), so says nothing of what it learns.
 
 matplotlib is imported only when a plot is drawn (it is the optional `hputrain[plot]` extra), and
 through `matplotlib.figure.Figure` rather than pyplot: a bare Figure renders with Agg, is never
@@ -20,6 +22,8 @@ _KIND_KEYS = (("loss", "train"), ("eval_loss", "eval"), ("train_runtime", "summa
 _SERIES = {
     "loss": ("train", "loss"),
     "eval_loss": ("eval", "eval_loss"),
+    "reward": ("train", "reward"),
+    "eval_reward": ("eval", "eval_reward"),
     "tokens_per_second": ("train", "tokens_per_second"),
     "memory_allocated_gb": ("train", "memory_allocated_gb"),
     "max_memory_allocated_gb": ("train", "max_memory_allocated_gb"),
@@ -110,6 +114,16 @@ def _plot_loss(data: dict, title: str):
     return fig
 
 
+def _plot_reward(data: dict, title: str):
+    fig, ax = _figure(f"{title}: reward", "reward (weighted sum of the reward functions)")
+    if "reward" in data:
+        ax.plot(*data["reward"], label="train reward", linewidth=1)
+    if "eval_reward" in data:
+        ax.plot(*data["eval_reward"], "o-", label="eval reward", markersize=4)
+    ax.legend()
+    return fig
+
+
 def _plot_throughput(data: dict, title: str):
     fig, ax = _figure(f"{title}: throughput", "tokens / s")
     ax.plot(*data["tokens_per_second"], linewidth=1)
@@ -133,6 +147,7 @@ def _plot_memory(data: dict, title: str):
 
 # File name -> (series that must have data for the plot to be drawn, drawing function).
 _PLOTS = (
+    ("reward.png", ("reward", "eval_reward"), _plot_reward),
     ("loss.png", ("loss", "eval_loss"), _plot_loss),
     ("throughput.png", ("tokens_per_second",), _plot_throughput),
     ("memory.png", ("memory_allocated_gb", "max_memory_allocated_gb"), _plot_memory),
@@ -140,8 +155,9 @@ _PLOTS = (
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
-    """Write loss.png, throughput.png and memory.png into run_dir from its metrics.jsonl; a plot
-    with no data is skipped. Returns the paths written."""
+    """Write loss.png (reward.png for a run that logs a reward: GRPO), throughput.png and
+    memory.png into run_dir from its metrics.jsonl; a plot with no data is skipped. Returns the
+    paths written."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
@@ -153,7 +169,10 @@ def write_report(run_dir: str | Path) -> list[Path]:
                          "(or pip install 'hputrain[plot]')") from None
     title = run_dir.resolve().name
     written = []
+    rewarded = "reward" in data or "eval_reward" in data
     for filename, needs, draw in _PLOTS:
+        if filename == "loss.png" and rewarded:
+            continue  # GRPO's loss is near 0 by construction: its reward is what it learns
         if any(name in data for name in needs):
             path = run_dir / filename
             draw(data, title).savefig(path)

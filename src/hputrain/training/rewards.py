@@ -52,9 +52,10 @@ COMPLETIONS_FILE = "completions.jsonl"
 @dataclass
 class RewardState:
     """What a reward function sees as `trainer_state` (TRL passes its TrainerState): enough for
-    reward shaping by progress."""
+    reward shaping by progress, global_step / max_steps (max_steps: the run's steps; 0 outside
+    training, TRL's default)."""
     global_step: int
-    max_steps: int | None = None
+    max_steps: int = 0
 
 
 def conversational(prompt) -> bool:
@@ -222,7 +223,8 @@ class RewardFunctions:
             raise InputError("no reward function given (a FILE.py:NAME or a reward model folder)")
         resolved = [_resolve(entry) for entry in entries]
         self.functions = [function for function, _ in resolved]
-        self.names = [_name_of(function) for function in self.functions]
+        # TRL's names, made unique (final, final_2: two folders named alike keep their metrics)
+        self.names = _unique_keys([], [_name_of(function) for function in self.functions])
         self.device = torch.device(device)
         self.tokenizers = [_model_with_tokenizer(f, t) if isinstance(f, nn.Module) else None
                            for f, t in resolved]

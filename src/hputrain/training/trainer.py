@@ -188,7 +188,7 @@ class Trainer(CallbackHost):
         try:
             self._call("on_train_begin")
             for line in resume_notes(state, batches.global_batch_size, self.scheduler,
-                                     args.learning_rate):
+                                     args.learning_rate) + self.objective.resume_notes(state):
                 self.log_message(line)
             while self.global_step < total_steps:
                 step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
@@ -542,7 +542,8 @@ class Trainer(CallbackHost):
     def _state(self, batches: MicroBatches) -> dict:
         state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
                  "world_size": self.group.world_size, "seed": self.args.seed,
-                 "global_batch_size": batches.global_batch_size, **self.best.state()}
+                 "global_batch_size": batches.global_batch_size, **self.best.state(),
+                 **self.objective.state()}
         return state  # the model's own configuration is its config.json (checkpoint/full.py)
 
     def _save(self, batches: MicroBatches) -> Path:
