@@ -184,6 +184,80 @@ def test_completions_end_at_every_end_id_of_the_generation_config(folder, tmp_pa
     assert sorted(batch["completion_mask"].sum(1).tolist()) == counted
 
 
+def test_a_records_loss_metrics_average_its_micro_batches_means(folder, tmp_path, monkeypatch):
+    """Issue 39 item 7: as TRL logs them, a record's entropy and clip ratios are the average of
+    each micro-batch's masked mean, not a mean pooled over every token. Two steps of two
+    micro-batches per record, completions of unequal lengths (the `complete` hook), two
+    iterations, a low temperature (entropies that differ between tokens); the reference: the
+    entropies and masks grpo_loss was given."""
+    import hputrain.training.grpo as grpo
+
+    given = []
+
+    def complete(generation: int, prompts: list[list[int]]) -> list[list[int]]:
+        """1 to 16 tokens, the shorter ones ending with eos."""
+        out = []
+        for row, prompt in enumerate(prompts):
+            length = 1 + (sum(prompt) + 5 * row + 3 * generation) % 16
+            tokens = [4 + (sum(prompt) + 13 * j + row) % 290 for j in range(length)]
+            out.append(tokens[:-1] + [tokenizer.eos_token_id] if length < 16 else tokens)
+        return out
+
+    def spy(*args, **kwargs):
+        given.append((kwargs["entropies"].detach(), args[4].float()))
+        return grpo_loss_(*args, **kwargs)
+
+    grpo_loss_ = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    model, tokenizer = load(folder)
+    args = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  max_steps=4, logging_steps=2, num_iterations=2, temperature=0.05)
+    trainer = GRPOTrainer(model, args, reward_funcs=[tens],
+                          train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer,
+                          complete=complete)
+    trainer.train()
+    logged = [r for r in records(tmp_path) if "entropy" in r]
+    assert len(logged) == 2 and len(given) == 8
+    for record, calls in zip(logged, (given[:4], given[4:])):
+        means = [(e * m).sum() / m.sum() for e, m in calls]
+        assert record["entropy"] == pytest.approx(float(sum(means) / 4), abs=1e-6)
+        pooled = sum((e * m).sum() for e, m in calls) / sum(m.sum() for _, m in calls)
+        assert abs(record["entropy"] - float(pooled)) > 1e-5  # the two rules differ here
+    counts = {int(m.sum()) for _, m in given}
+    assert len(counts) > 1  # micro-batches of unequal token counts
+
+
+def test_a_reward_no_function_gives_is_said_once_and_written_as_null(folder, tmp_path, capsys):
+    """Issue 39 item 7: a reward function that returns None for every completion: TRL's warning
+    (here one line, once), and TRL's None for the reward metrics, which metrics.jsonl and
+    completions.jsonl write as null, never a bare NaN that strict JSON readers refuse."""
+    def nothing(prompts, completions, completion_ids, log_extra, log_metric, **_):
+        log_extra("why", [float("nan")] * len(prompts))  # NaN in a logged column too
+        log_metric("confidence", float("nan"))
+        return [None] * len(prompts)
+
+    def strict(line: str) -> dict:
+        return json.loads(line, parse_constant=lambda word: pytest.fail(f"{word} in {line}"))
+
+    model, tokenizer = load(folder)
+    trainer = GRPOTrainer(model, config(tmp_path, max_steps=2), reward_funcs=[nothing],
+                          train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer)
+    trainer.train()
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "returned None" in line]
+    assert len(said) == 1 and said[0].startswith("hputrain: warning:") and "8 of 8" in said[0], err
+    logged = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "reward" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["reward"] is None and record["rewards/nothing/mean"] is None
+        assert record["confidence"] is None
+        assert record["loss"] == 0.0  # no advantage: nothing to learn from
+    lines = [strict(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert lines and all(x["reward"] is None and x["nothing"] is None and x["why"] is None
+                         for x in lines)
+
+
 def test_bad_input_is_one_line(folder, tmp_path):
     model, tokenizer = load(folder)
     rows = [{"prompt": p} for p in PROMPTS]

@@ -16,7 +16,8 @@ import torch
 
 from hputrain.errors import InputError
 from hputrain.training.grpo_loss import (EXTREMES, METRIC_SLOTS, clip_extremes, group_advantages,
-                                         grpo_loss, metric_means, nanstd, reward_metrics)
+                                         grpo_loss, logged_means, logging_average, metric_means,
+                                         nanstd, reward_metrics)
 
 trl = pytest.importorskip("trl", reason="TRL is the reference")
 from trl import GRPOTrainer  # noqa: E402
@@ -152,8 +153,9 @@ def test_the_batches_clip_on_both_sides():
     assert means["clip_ratio/low_mean"] > 0 and means["clip_ratio/high_mean"] > 0
 
 
-def test_sums_add_over_micro_batches_to_the_global_masked_mean():
-    """Two micro-batches' sums, added, give TRL's metric over the two as one batch."""
+def test_sums_add_over_ranks_to_the_global_masked_mean():
+    """Two ranks' shares of a micro-batch: their sums, added (the all-reduce), give TRL's metric
+    over the micro-batch as one batch (its global_masked_mean)."""
     first, second = batch(seed=1), batch(seed=2, lengths=[2, 7, 4, 4, 0, 3])
     whole = {key: torch.cat([first[key], second[key]]) for key in first}
     settings = dict(loss_type="bnpo", beta=0.04, epsilon=0.2, epsilon_high=None, delta=None,
@@ -163,6 +165,58 @@ def test_sums_add_over_micro_batches_to_the_global_masked_mean():
     sums = ours(first, first["logps"], **settings).sums + ours(second, second["logps"], **settings).sums
     for name, value in metric_means(sums).items():
         assert value == pytest.approx(their_metrics[name], abs=1e-6), name
+
+
+def trl_log(metrics: dict[str, list[float]]) -> dict:
+    """What TRL 1.16's `GRPOTrainer.log` writes for the values its steps appended to _metrics
+    (run unbound on a stub of the few attributes it and transformers' Trainer.log read)."""
+    stub = GRPOTrainer.__new__(GRPOTrainer)
+    stub.model = SimpleNamespace(training=True)
+    stub._metrics = {"train": defaultdict(list, {k: list(v) for k, v in metrics.items()})}
+    stub.state = SimpleNamespace(epoch=None, global_step=1, log_history=[])
+    stub.args = SimpleNamespace(include_num_input_tokens_seen="no")
+    stub.callback_handler = SimpleNamespace(on_log=lambda *args: None)
+    stub.control, stub.log_completions = None, False
+    stub.accelerator = SimpleNamespace(is_main_process=False)
+    GRPOTrainer.log(stub, {})
+    return stub.state.log_history[-1]
+
+
+def test_logged_metrics_average_each_micro_batchs_mean_as_trl_logs_them():
+    """Issue 39 item 7: between two records TRL appends each micro-batch's metrics (a masked mean
+    over that micro-batch's tokens on every rank) and logs their average, NaN left out (None
+    where nothing is left), not a mean pooled over every token. Here three micro-batches of
+    unequal token counts (gradient accumulation), each split over two ranks, against TRL's
+    `_compute_loss` on each whole micro-batch and TRL's `log`; rollout metrics with a NaN (a
+    reward no function gave) through the same average (grpo_loss.logging_average)."""
+    settings = dict(loss_type="dapo", beta=0.04, epsilon=0.2, epsilon_high=0.28, delta=None,
+                    level="token", bias_kl=True, old_given=True, num_items=40, num_processes=2,
+                    accumulation=3, steps_per_generation=3)
+    micro = [batch(seed=21, lengths=[7, 7, 6, 7, 5, 7]), batch(seed=22, lengths=[1, 0, 2, 1, 1, 0]),
+             batch(seed=23, lengths=[3, 7, 1, 5, 6, 2])]
+    micro[1]["entropies"] = micro[1]["entropies"] / 10  # a few tokens unlike the others
+    appended, per_rank = defaultdict(list), [[], []]
+    for data in micro:
+        _, metrics = trl_loss(data, data["logps"], **settings)
+        for name, value in metrics.items():
+            appended[name].append(value)
+        for rank, rows in enumerate((slice(0, 3), slice(3, 6))):
+            part = {key: value[rows] for key, value in data.items()}
+            result = ours(part, part["logps"], **settings)
+            per_rank[rank].append(torch.cat([result.sums, result.extremes]).tolist())
+    rollouts = {"reward": [float("nan"), 0.25, 0.5], "rewards/f/std": [float("nan")] * 3}
+    theirs = trl_log({**appended, **rollouts})
+    got = logged_means(per_rank)
+    assert set(got) == set(appended)
+    for name in got:
+        assert got[name] == pytest.approx(theirs[name], abs=1e-6), name
+    for name, values in rollouts.items():
+        assert logging_average(values) == theirs[name]
+    assert theirs["reward"] == 0.375 and theirs["rewards/f/std"] is None
+    # the pooled mean over every token, what was logged before, is another number
+    mask = torch.cat([data["mask"] for data in micro]).float()
+    entropies = torch.cat([data["entropies"] for data in micro])
+    assert abs((entropies * mask).sum() / mask.sum() - got["entropy"]) > 0.2
 
 
 def test_clip_extremes_are_over_every_rank_then_averaged_over_micro_batches():

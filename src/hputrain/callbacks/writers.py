@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from ..config.sections import ReportingSettings
@@ -51,7 +52,7 @@ class MetricsFile(Callback):
         self.file = open_jsonl(self.path)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record)) + "\n")
         self.file.flush()  # a killed run keeps every record written so far
 
     def close(self) -> None:
@@ -139,6 +140,18 @@ def show_message(callbacks: list[Callback], text: str) -> None:
     else:
         print(text)
 
+
+
+def json_safe(value):
+    """`value` for a strict JSON line: NaN and infinities, which JSON lacks (Python writes bare
+    `NaN`, which strict readers refuse), as null; in lists and dicts too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def open_jsonl(path: Path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 from dataclasses import dataclass
 
@@ -31,8 +32,7 @@ from ..execution.inference import max_length
 from ..execution.generation import (Sampling, StaticGenerator, attention_mask, completion_mask,
                                     end_token_ids, mask_kind)
 from .grpo_eval import EvalPlan, EvalRollouts, first_batch
-from .grpo_loss import (METRIC_SLOTS, clip_extremes, group_advantages, grpo_loss, metric_means,
-                        reward_metrics)
+from .grpo_loss import group_advantages, grpo_loss, logged_means, logging_average, reward_metrics
 from .logps import token_logps
 from .intervals import total_steps_of
 from .objective import Objective, adapters_disabled
@@ -121,6 +121,8 @@ class GRPOObjective(Objective):
     """GRPO's rollout, loss and metrics (see the module docstring)."""
 
     has_perplexity = False
+    unscorable_said = False
+    """True once the warning about completions no reward function scored is out."""
     evaluation = False
     """True inside evaluating(): a batch is then its own generation batch."""
 
@@ -140,7 +142,7 @@ class GRPOObjective(Objective):
         self.left_out = len(rows) - len(self.kept)
         if not self.kept:
             raise InputError(f"no prompt is left to train on: every one is empty{self._too_long()}")
-        self.sums: torch.Tensor | None = None
+        self.sums: list[torch.Tensor] | None = None  # each micro-batch's (grpo_loss.METRIC_SLOTS)
         self.extremes: list[torch.Tensor] = []  # each micro-batch's (grpo_loss.EXTREMES)
         self.rollout_metrics: list[dict] = []
         self.step = 0  # the optimizer step the latest micro-batch belongs to (reward functions')
@@ -261,6 +263,7 @@ class GRPOObjective(Objective):
                 self.logged.setdefault(name, []).extend(values)
         all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
         all_rewards = all_rewards.view(-1, len(self.reward_funcs.names))
+        self._warn_unscorable(all_rewards, everyone, step)
         advantages = group_advantages(all_rewards, self.reward_funcs.weights, num_generations,
                                       cfg.scale_rewards)
         offset = sum(len(part[1]) for part in everyone[:layout.rank])  # ranks' shares, in order
@@ -270,6 +273,21 @@ class GRPOObjective(Objective):
                  "completion_mask": mask, "advantages": mine.to(loop.device)}
         return Scored(batch, everyone, all_rewards, advantages,
                       sum(a for part in everyone for a in part[3]), [len(k) for k in tokens_kept])
+
+    def _warn_unscorable(self, rewards: torch.Tensor, everyone: list, step: int) -> None:
+        """TRL's warning when every reward function returned None for a completion (it counts for
+        nothing: no reward, advantage 0), in one line, once a run, on rank 0."""
+        unscorable = rewards.isnan().all(dim=1)
+        if self.unscorable_said or not bool(unscorable.any()) or not self.loop.group.is_main:
+            return
+        self.unscorable_said = True
+        prompts = [p for part in everyone for p in part[4]]
+        first = repr(prompts[int(unscorable.nonzero()[0, 0])])
+        first = first if len(first) <= 60 else first[:57] + "..."
+        print(f"hputrain: warning: every reward function returned None for {int(unscorable.sum())} "
+              f"of {len(prompts)} completions at step {step} (the first for prompt {first}): such a "
+              "completion counts for nothing (no reward, advantage 0); make at least one reward "
+              "function return a number for it (said once)", file=sys.stderr)
 
     def _complete(self, generation: int, rows: list[int], prompt_ids: list[list[int]]):
         """(prompt ids, prompt mask, completion ids, completion mask) on the device: generated,
@@ -395,8 +413,7 @@ class GRPOObjective(Objective):
                         steps_per_generation=1 if self.evaluation else layout.steps_per_generation,
                         max_completion_length=cfg.max_completion_length, entropies=entropy)
         if self.counting:  # not a batch a rank repeats only to keep in step
-            sums = out.sums.detach()
-            self.sums = sums if self.sums is None else self.sums + sums
+            self.sums = [*(self.sums or []), out.sums.detach()]  # TRL logs each micro-batch's
             self.extremes.append(out.extremes)
         return out.loss
 
@@ -420,25 +437,21 @@ class GRPOObjective(Objective):
 
     # -- what users read ----------------------------------------------------------------------------
     def metrics(self, group, prefix: str = "") -> dict:
-        """The loss metrics' means over every rank's tokens since the last record (one device
-        read), TRL's clip_ratio/low_min and high_max (grpo_loss.clip_extremes), the rollouts'
-        metrics averaged, and (training) the share of the time spent generating."""
-        sums, extremes = self.sums, self.extremes
+        """TRL's logged values since the last record: the loss metrics of each micro-batch over
+        every rank's tokens, then averaged over the micro-batches (one device read; with TRL's
+        clip_ratio/low_min and high_max: grpo_loss.logged_means), the rollouts' metrics averaged,
+        each average leaving NaN out (None where nothing is left: a reward no function gave), and
+        (training) the share of the time spent generating."""
+        sums, extremes = self.sums or [], self.extremes
         self.sums, self.extremes = None, []
-        if sums is None:
-            sums = torch.zeros(len(METRIC_SLOTS), device=self.loop.device)
-        means = metric_means(group.all_reduce_sum(sums.float()))
-        for name in list(means):
-            if name == "kl" and self.config.beta == 0.0:
-                means.pop(name)
-        local = torch.stack(extremes).float().tolist() if extremes else []
-        means.update(clip_extremes(group.gather_objects(local)))
+        local = torch.cat([torch.stack(sums), torch.stack(extremes)], dim=1).float().tolist() \
+            if sums else []
+        means = logged_means(group.gather_objects(local))
         rollouts, self.rollout_metrics = self.rollout_metrics, []
-        if rollouts:
-            for name in rollouts[0]:
-                means[name] = sum(r[name] for r in rollouts) / len(rollouts)
+        for name in (rollouts[0] if rollouts else ()):
+            means[name] = logging_average([r[name] for r in rollouts])
         logged, self.logged = self.logged, {}  # the reward functions' log_metric values
-        means.update({name: sum(values) / len(values) for name, values in logged.items() if values})
+        means.update({name: logging_average(values) for name, values in logged.items() if values})
         if not self.evaluation:
             now = time.perf_counter()
             means["generation_share"] = self.generation_seconds / max(now - self.since, 1e-9)

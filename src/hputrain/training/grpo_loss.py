@@ -9,11 +9,13 @@ Two halves, one per side of a rollout:
 - `grpo_loss`: one micro-batch's clipped-surrogate loss (loss types grpo, bnpo, dr_grpo, dapo),
   with TRL's k3 KL penalty when beta != 0, scaled for gradient accumulation as TRL scales it.
   Its metrics stay on the device as sums and counts (`METRIC_SLOTS`), because the training step
-  must not wait for the host: the loop adds them over micro-batches, all-reduces them over ranks
-  at a logging step and calls `metric_means` — TRL's global masked mean of each metric. TRL's
-  clip_ratio/low_min and high_max are a minimum and a maximum over each micro-batch's
-  completions on every rank, not sums: each micro-batch keeps its own (`GRPOLoss.extremes`),
-  and `clip_extremes` combines them over ranks and averages them over micro-batches.
+  must not wait for the host: each micro-batch keeps its own, and at a logging step
+  `logged_means` gives TRL's values from every rank's: per micro-batch the global masked mean of
+  each metric (`metric_means`: sums and counts added over the ranks), then TRL's logging
+  average over the micro-batches (`logging_average`: NaN left out). TRL's clip_ratio/low_min
+  and high_max are a minimum and a maximum over each micro-batch's completions on every rank,
+  not sums: each micro-batch keeps its own (`GRPOLoss.extremes`), and `clip_extremes` combines
+  them over ranks and averages them over micro-batches.
 
 Only torch and the error type are imported: the loop, the rollout and the tests share this file.
 """
@@ -189,6 +191,29 @@ def _extremes(mask, ratio, advantages, epsilon, epsilon_high) -> torch.Tensor:
     return torch.where(extremes.isinf(), torch.full_like(extremes, float("nan")), extremes)
 
 
+def logging_average(values) -> float | None:
+    """TRL's value of a metric appended several times between two records (its `log`): the mean
+    of the values that are not NaN, None where none is (JSON has no NaN)."""
+    valid = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(valid) / len(valid) if valid else None
+
+
+def logged_means(per_rank: list) -> dict[str, float | None]:
+    """TRL's loss metrics at a logging record from each rank's micro-batches since the last one
+    (per_rank[r][i] = rank r's METRIC_SLOTS then EXTREMES of micro-batch i): per micro-batch
+    each metric's mean over every rank's tokens (`metric_means`), then the logging average over
+    the micro-batches, as TRL appends one value per `_compute_loss` call; and `clip_extremes`."""
+    slots = len(METRIC_SLOTS)
+    values: dict[str, list[float]] = {}
+    for i in range(max((len(part) for part in per_rank), default=0)):
+        rows = [part[i][:slots] for part in per_rank if i < len(part)]
+        for name, value in metric_means([sum(column) for column in zip(*rows)]).items():
+            values.setdefault(name, []).append(value)
+    means = {name: logging_average(found) for name, found in values.items()}
+    means.update(clip_extremes([[row[slots:] for row in part] for part in per_rank]))
+    return means
+
+
 def clip_extremes(per_rank: list) -> dict[str, float | None]:
     """TRL's clip_ratio/low_min and high_max from each rank's `extremes` of the micro-batches
     since the last record (per_rank[r][i] = rank r's [low_min, high_max] of micro-batch i): per
@@ -204,7 +229,7 @@ def clip_extremes(per_rank: list) -> dict[str, float | None]:
             mine = [v for v in mine if not math.isnan(v)]
             if mine:
                 values.append(pick(mine))
-        out[name] = sum(values) / len(values) if values else None
+        out[name] = logging_average(values)
     return out
 
 
@@ -218,7 +243,8 @@ def _on_device(value, device) -> torch.Tensor:
 
 
 def metric_means(sums) -> dict[str, float]:
-    """TRL's metric values from `sums` added over micro-batches and ranks (a host read)."""
+    """TRL's values of one micro-batch's metrics from its `sums` added over the ranks (a host
+    read): each sum over its count, the count at least 1 (TRL's global_masked_mean)."""
     values = sums.tolist() if isinstance(sums, torch.Tensor) else list(sums)
     means = {}
     for i, name in enumerate(METRICS):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..callbacks.writers import json_safe
 from ..checkpoint.model_folders import ADAPTER_CONFIG, is_adapter_folder, load_scorer
 from ..errors import InputError
 
@@ -388,19 +389,14 @@ class CompletionsLog:
         lines = []
         for j, (prompt, completion) in enumerate(zip(prompts, completions)):
             row = dict(step=int(step), prompt=prompt, completion=completion, completion_tokens=int(tokens[j]))
-            row |= {keys[i]: _finite(rewards[j, i].item()) for i in range(len(names))}
+            row |= {keys[i]: rewards[j, i].item() for i in range(len(names))}
             row |= {keys[len(names) + k]: values[j] for k, values in enumerate(extra.values())}
-            row |= dict(reward=_finite(totals[j].item()), advantage=_finite(advantages[j]))
-            lines.append(json.dumps(row, allow_nan=False, default=str) + "\n")
+            row |= dict(reward=totals[j].item(), advantage=advantages[j])
+            lines.append(json.dumps(json_safe(row), allow_nan=False, default=str) + "\n")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.writelines(lines)
             handle.flush()
-
-
-def _finite(value: float) -> float | None:
-    """JSON has no NaN nor infinity: both are written as null."""
-    return value if math.isfinite(value) else None
 
 
 def _unique_keys(taken: list[str], names: list[str]) -> list[str]:
