@@ -45,3 +45,14 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path):
     with pytest.raises(InputError, match="Not a directory") as err:
         open_jsonl(tmp_path / "file" / "out" / "metrics.jsonl")
     assert "\n" not in str(err.value) and str(tmp_path / "file") in str(err.value)
+
+
+def test_nan_and_infinities_are_written_as_null(tmp_path):
+    """Issue 39 item 7: JSON has no NaN nor Infinity; Python's json writes them bare, and strict
+    readers (JSON.parse, jq, Go, serde) refuse the line. metrics.jsonl writes null instead."""
+    append(tmp_path, {"step": 1, "reward": float("nan"), "kl": float("inf"),
+                      "nested": {"values": [1.5, float("-inf")]}, "name": "x"})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    strict = json.loads(line, parse_constant=lambda word: pytest.fail(f"{word} in {line}"))
+    assert strict == {"step": 1, "reward": None, "kl": None, "nested": {"values": [1.5, None]},
+                      "name": "x"}
