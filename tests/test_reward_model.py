@@ -290,6 +290,22 @@ def test_a_lora_reward_model_is_a_reward_function_and_merges_with_its_head(folde
         err = capsys.readouterr().err
         assert "sequence classifier" in err and "does not generate" in err and "Traceback" not in err
 
+    # as --model of --method reward, a LoRA reward model's final/ is trained on further, as a
+    # model folder is: its adapters and its head (not refused as "an adapter folder")
+    more = train(tmp_path, "more", "--model", str(final), "--dataset", str(data), "--max-steps",
+                 "2", "--learning-rate", "1e-2") / "final"
+    assert peft.PeftConfig.from_pretrained(more).task_type == "SEQ_CLS"
+    further = peft.PeftModel.from_pretrained(load(folders["causal"]), more).eval()
+    assert (scores(further, tokenizer, texts) - expected).abs().max() > 1e-4
+    causal = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folders["causal"]),
+                                 peft.LoraConfig(task_type="CAUSAL_LM", r=2))
+    causal.peft_config["default"].base_model_name_or_path = str(folders["causal"])
+    causal.save_pretrained(tmp_path / "causal-adapters")
+    capsys.readouterr()
+    assert main(["train", "--method", "reward", "--model", str(tmp_path / "causal-adapters"),
+                 "--dataset", str(data), "--output-dir", str(tmp_path / "no")]) == 2
+    assert "holds LoRA adapters of a causal language model" in capsys.readouterr().err
+
 
 @lazy_rehearses_hf_models
 def test_lazy_mode_compiles_nothing_after_warm_up(folders, tmp_path):

@@ -7,7 +7,8 @@ language-model head is not used); its pad token becomes config.pad_token_id, whi
 needs to find each sequence's last token. Under --lora-r the adapters are PEFT's SEQ_CLS kind,
 which also trains and saves the score head (modules_to_save), so final/ loads as
 PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base,
-num_labels=1), final). Validation: the data set's own "validation" split, else the last
+num_labels=1), final); given as --model, such a final/ is trained on further (its adapters and
+head), as a LoRA run's final/ is for the other methods. Validation: the data set's own "validation" split, else the last
 --validation-split-percentage of the pairs, as for DPO. --block-size is the longest sequence kept:
 longer pairs are left out (TRL's max_length). The rows are encoded once per node by
 --dataset-num-proc processes and cached in output_dir/.cache (or --cache-dir), through DPO's
@@ -21,7 +22,7 @@ import os
 import warnings
 from pathlib import Path
 
-from ..checkpoint.model_folders import quiet_load_report
+from ..checkpoint.model_folders import SEQ_CLS, check_task, quiet_load_report
 from ..errors import InputError
 from . import hf_data
 from .hf_common import choose_block_size, first_line
@@ -41,17 +42,25 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     from .finish import report_outputs, save_final, write_recipe
     from .hf_sft import use_chat_template
 
+    from .hf import load_model
+    from .hf_adapters import continued_rank, is_adapter_folder, tokenizer_source
     from .hf_sharded import loads_sharded
 
     shape = check_reward_data(options, folder)
-    model, tokenizer, head = load_reward_model(folder, options.from_scratch,
-                                               sharded=loads_sharded(training_args))
+    if is_adapter_folder(folder):  # a LoRA reward model's final/: training continues on it
+        options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+        model, tokenizer = load_model(folder, base_model=options.base_model, trainable=True,
+                                      task=SEQ_CLS)
+        head = f"the score head trained with the adapters in {folder}"
+    else:
+        model, tokenizer, head = load_reward_model(folder, options.from_scratch,
+                                                   sharded=loads_sharded(training_args))
     use_chat_template(tokenizer, options.chat_template)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
-    if options.lora_r:
+    if options.lora_r and not is_adapter_folder(folder):
         model = add_reward_lora(model, options)
     train, validation, stats = load_reward_pairs(
-        options, tokenizer, block_size, tokenizer_folder=folder,
+        options, tokenizer, block_size, tokenizer_folder=tokenizer_source(folder, options.base_model),
         cache_dir=options.cache_dir or Path(training_args.output_dir) / ".cache")
     config = RewardConfig(**dataclasses.asdict(training_args), max_length=block_size,
                           center_rewards_coefficient=options.center_rewards_coefficient)
@@ -74,7 +83,7 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
 
 def check_reward_data(options, folder: Path) -> str:
     """The data's shape (a SHAPES key), refusing in one line what --method reward does not take:
-    data that is not preference pairs, DPO's own flags, an adapter folder as --model."""
+    data that is not preference pairs, DPO's own flags, a causal LM's adapters as --model."""
     from ..config.grpo import grpo_flags_given
     from ..config.preference import preference_flags_given
     from ..data.preference import is_preference, pair_shape
@@ -96,9 +105,9 @@ def check_reward_data(options, folder: Path) -> str:
     if given:
         raise InputError(f"--{given[0].replace('_', '-')} is for DPO or GRPO; --method reward "
                          "trains a reward model (its own flag: --center-rewards-coefficient)")
-    if is_adapter_folder(folder):
-        raise InputError(f"--method reward: --model {folder} is a PEFT adapter folder; give a "
-                         "model folder (config.json and weights) to train a reward model from")
+    if is_adapter_folder(folder):  # a reward model's adapters, which training continues on
+        check_task(folder, SEQ_CLS, "--model", "a LoRA reward model's final/, or a model folder to "
+                                               "train a reward model from")
     return pair_shape(columns)
 
 
