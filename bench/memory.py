@@ -269,7 +269,12 @@ HF_CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num
 """The Llama of the hf part: 158.6M parameters, 605 MiB in fp32."""
 
 
-def hf_folder(root: Path) -> Path:
+def hf_config(opts) -> dict:
+    """HF_CONFIG, with untied embeddings under --untied (lm_head a matrix of its own)."""
+    return HF_CONFIG | {"tie_word_embeddings": not opts.untied}
+
+
+def hf_folder(root: Path, config: dict = HF_CONFIG) -> Path:
     """A Llama folder as a user has it: config, random fp32 weights (save_pretrained) and a small
     byte-level BPE tokenizer trained here, so that nothing is downloaded."""
     import tokenizers
@@ -278,7 +283,7 @@ def hf_folder(root: Path) -> Path:
 
     folder = root / "llama"
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).save_pretrained(folder)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(folder)
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator([HF_TEXT] * 20, trainers.BpeTrainer(
@@ -342,10 +347,13 @@ def hf_part(opts) -> None:
             f"1 process, {malloc}": (1, "single", False, True),
             f"fsdp, 2 processes, {malloc}": (2, "fsdp", False, True),
             f"fsdp, 4 processes, {malloc}": (4, "fsdp", False, True)}
+    if opts.hf_runs:  # a subset, by position in the table above (1-based)
+        names = list(runs)
+        runs = {names[int(i) - 1]: runs[names[int(i) - 1]] for i in opts.hf_runs.split(",")}
     peaks: dict[str, list[list[dict]]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        folder = hf_folder(root)
+        folder = hf_folder(root, hf_config(opts))
         renamed = renamed_copy(folder)
         data = root / "data.txt"
         data.write_text(HF_TEXT * 4000)
@@ -353,8 +361,8 @@ def hf_part(opts) -> None:
             for name, (n, strategy, whole, malloc_env) in runs.items():
                 peaks[name].append(hf_run(opts, renamed if whole else folder, data, n, strategy, root,
                                           malloc_env))
-    params = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).num_parameters()
-    print(f"model: Llama {HF_CONFIG}, {params / 1e6:.1f}M parameters, {params * 4 / 2**20:,.0f} MiB fp32; "
+    params = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(opts))).num_parameters()
+    print(f"model: Llama {hf_config(opts)}, {params / 1e6:.1f}M parameters, {params * 4 / 2**20:,.0f} MiB fp32; "
           f"2 steps of 2 x 128 tokens per process, AdamW; median of {opts.repeats} runs")
     singles = {malloc_env: statistics.median(r[0]["at_exit"] for r in peaks[name])
                for name, (n, _, _, malloc_env) in runs.items() if n == 1}
@@ -390,6 +398,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timings")
     p.add_argument("--threads", type=int, default=2, help="threads of the one-process checkpointing runs")
+    p.add_argument("--untied", action="store_true", help="hf: the Llama with untied embeddings")
+    p.add_argument("--hf-runs", help="hf: only these rows of its table (1-based, e.g. 1,3,5,7)")
     p.add_argument("--worker", choices=[*WORKERS, "hf"], help=argparse.SUPPRESS)
     p.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
     p.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)

@@ -93,6 +93,20 @@ def test_fsdp_at_n_ranks_holds_1_over_n_of_the_model_state(llama, ranks):
     assert state(many) < state(one) * (1 / ranks + 0.3)
 
 
+def test_fsdp_plans_an_untied_embedding_and_head_as_units_of_their_own(llama):
+    """Issue 39 item 15: at its peak, a rank of a 4-rank fsdp step holds its shards, the head
+    (4 MiB: 4,096 x 256 fp32, kept gathered from its forward to its backward) and the last
+    block, not the embedding and the head gathered together in the root unit all step long."""
+    base = ["--model", str(llama), "--block-size", "128", "--per-device-train-batch-size", "1",
+            "--precision", "fp32", "--strategy", "fsdp"]
+    one, many = planned(base), planned([*base, "--devices", "4"])
+    config = transformers.AutoConfig.from_pretrained(llama)
+    assert not config.tie_word_embeddings
+    matrix = config.vocab_size * config.hidden_size * 4
+    block = (one.breakdown["parameters"] - 2 * matrix) / config.num_hidden_layers
+    assert many.breakdown["parameters"] < one.breakdown["parameters"] / 4 + matrix + 1.2 * block
+
+
 def test_json_says_whether_it_fits_and_suggests_what_would(llama, capsys):
     flags = ["--model", str(llama), "--block-size", "512", "--per-device-train-batch-size", "8",
              "--precision", "fp32"]
