@@ -15,3 +15,8 @@ def did_you_mean(word: str, choices, cutoff: float = 0.5, quote: bool = True) ->
 class InputError(ValueError):
     """Bad input from the user (a flag, a config file, a checkpoint, a dataset, a device that is
     not there). The message names the problem; no traceback is shown."""
+
+
+class EveryRankError(InputError):
+    """Bad input that every rank of a job found alike, having agreed on it (an output_dir's
+    checkpoints): rank 0 says its line, the other ranks end without a word."""

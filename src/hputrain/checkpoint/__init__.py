@@ -1,5 +1,7 @@
 """Checkpoints: save a run to `output_dir/checkpoint-STEP/`, resume it exactly, and export the
 model as its library saves it. Each module owns one part, and imports only those listed after it:
+- start.py: where a run starts in its output_dir (a checkpoint, or the beginning, with what an
+  earlier run left set aside), decided by rank 0 for every rank;
 - saving.py: `save_checkpoint` and `load_checkpoint`, which drive the rest, and `state_io_for`,
   which picks a state IO for a strategy;
 - sharded.py: ShardedState, every rank's shards through torch.distributed.checkpoint, read

@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import EveryRankError, InputError
 from .folder import SET_ASIDE_DIR, checkpoint_folders
 from .saving import latest_checkpoint, resolve_checkpoint
 
@@ -77,12 +77,12 @@ def agree_on_start(group, output_dir: str | os.PathLike, spec: str | None, *, ov
                    logs: tuple[str, ...]) -> Start:
     """Where the run starts, the same on every rank of `group` (a ProcessGroup): rank 0 decides
     and sets aside (`begin_run`), under the output_dir's lock; its refusal is raised by every
-    rank as one InputError."""
+    rank alike (EveryRankError: said once, by rank 0)."""
     start = (begin_run(output_dir, spec, overwrite=overwrite, restarted=group.restarts > 0,
                        logs=logs) if group.is_main else None)
     start = group.gather_objects(start)[0]
     if start.error is not None:
-        raise InputError(start.error)
+        raise EveryRankError(start.error)
     return start
 
 
