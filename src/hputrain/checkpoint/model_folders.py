@@ -189,13 +189,29 @@ def load_scorer(folder: Path, flag: str = "--model"):
     load."""
     folder = Path(folder)
     check_task(folder, SEQ_CLS, flag, "a reward model, as hputrain train --method reward writes it")
+    if is_adapter_folder(folder):
+        model, tokenizer_from = classifier_adapters(folder, flag=flag)
+        return model.merge_and_unload(), tokenizer_from
     try:
-        if not is_adapter_folder(folder):
-            return load_classifier(folder), folder
-        base = adapter_base(folder, None, flag)
-        model = load_adapter(load_classifier(base, head_labels(folder)), folder, flag=flag)
-        return model.merge_and_unload(), tokenizer_folder(folder, base)
+        return load_classifier(folder), folder
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: mismatched weights
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"{flag} {folder} cannot be loaded as a sequence classifier: {first}") from None
+        raise InputError(f"{flag} {folder} cannot be loaded as a sequence classifier: "
+                         f"{_first_line(exc)}") from None
 
+
+def classifier_adapters(folder: Path, base_model: str | None = None, *, trainable: bool = False,
+                        flag: str = "--model"):
+    """(PEFT model, the folder its tokenizer comes from) of a sequence classifier's adapter
+    folder: its base (`base_model`, else the one adapter_config.json names) as a classifier with
+    the adapters and their head; `trainable`: training continues on them."""
+    base = adapter_base(folder, base_model, flag)
+    try:
+        classifier = load_classifier(base, head_labels(folder))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise InputError(f"{flag} {folder}: its base {base} cannot be loaded as a sequence "
+                         f"classifier: {_first_line(exc)}") from None
+    return load_adapter(classifier, folder, trainable=trainable, flag=flag), tokenizer_folder(folder, base)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -22,7 +22,7 @@ import os
 import warnings
 from pathlib import Path
 
-from ..checkpoint.model_folders import SEQ_CLS, check_task, quiet_load_report
+from ..checkpoint.model_folders import SEQ_CLS, check_task, classifier_adapters, quiet_load_report
 from ..errors import InputError
 from . import hf_data
 from .hf_common import choose_block_size, first_line
@@ -42,16 +42,14 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     from .finish import report_outputs, save_final, write_recipe
     from .hf_sft import use_chat_template
 
-    from .hf import load_model
     from .hf_adapters import continued_rank, is_adapter_folder, tokenizer_source
     from .hf_sharded import loads_sharded
 
     shape = check_reward_data(options, folder)
     if is_adapter_folder(folder):  # a LoRA reward model's final/: training continues on it
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
-        model, tokenizer = load_model(folder, base_model=options.base_model, trainable=True,
-                                      task=SEQ_CLS)
-        head = f"the score head trained with the adapters in {folder}"
+        model, tokenizer_from = classifier_adapters(folder, options.base_model, trainable=True)
+        tokenizer, head = load_tokenizer(tokenizer_from), f"the score head trained with the adapters in {folder}"
     else:
         model, tokenizer, head = load_reward_model(folder, options.from_scratch,
                                                    sharded=loads_sharded(training_args))
@@ -109,6 +107,17 @@ def check_reward_data(options, folder: Path) -> str:
         check_task(folder, SEQ_CLS, "--model", "a LoRA reward model's final/, or a model folder to "
                                                "train a reward model from")
     return pair_shape(columns)
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer saved in `folder`, offline, or one line saying why it cannot be read."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--model {folder}: no tokenizer could be loaded: {first_line(exc)}") from None
 
 
 def load_reward_model(folder: Path, from_scratch: bool = False, sharded: bool = False):
