@@ -72,8 +72,10 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
                                             "block_size": block_size, "method": "dpo"})
     status = report_outputs(trainer, output)
     if status is None and final is not None:
+        ranks = trainer.group.world_size  # each rank runs its share: these are rank 0's
         print(f"reference forwards: {trainer.objective.reference_forwards} during training, "
-              f"{trainer.precompute_forwards} to precompute")
+              f"{trainer.precompute_forwards} to precompute" + (f" (on rank 0 of {ranks})"
+                                                                if ranks > 1 else ""))
     return status or 0
 
 
