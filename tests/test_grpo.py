@@ -298,6 +298,15 @@ def test_from_the_command_line(folder, tmp_path, capsys):
                                       "--lora-r", "4", "--beta", "0.04")
     assert status == 0, err[-2000:]
     assert "method: GRPO on prompts" in out
+    # issue 39, item 8: the header says the precision, the learning rate, and the checkpoint a
+    # rerun resumes from
+    assert " in float32" in out and "learning rate 1e-06;" in out
+    status, out, err = hputrain_train(capsys, *common[:-5], "--max-steps", "3", "--disable-tqdm",
+                                      "--logging-steps", "1", "--num-generations", "4",
+                                      "--reward-funcs", f"{rewards}:tens", "--lora-r", "4",
+                                      "--beta", "0.04", "--output-dir", str(tmp_path / "out"),
+                                      "--resume-from-checkpoint", "latest")
+    assert status == 0 and "hputrain: resuming from checkpoint-2 (--resume-from-checkpoint)" in out, err
     assert "reference: the base model with the LoRA adapters disabled" in out
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
     assert "kl" in records(tmp_path / "out")[0]
