@@ -57,6 +57,7 @@ def test_the_decision_for_each_folder_and_flags(tmp_path):
     assert fresh.note == f"no checkpoint in {empty} yet: starting from the beginning"
     assert plan_start(run, "latest", overwrite=False).checkpoint == run / "checkpoint-4"
     assert plan_start(run, "checkpoint-2", overwrite=False).checkpoint == run / "checkpoint-2"
+    assert plan_start(run, True, overwrite=False).checkpoint == run / "checkpoint-4"  # Hugging Face's
     assert plan_start(empty, None, overwrite=False) == plan_start(empty, None, overwrite=True)
     assert plan_start(empty, None, overwrite=False).fresh
     assert plan_start(run, None, overwrite=True).fresh
@@ -228,6 +229,12 @@ def test_two_processes_agree_where_the_run_starts(tmp_path):
     assert launched.returncode == 2, launched.stderr[-3000:]
     assert error_lines(launched.stderr) == [
         f"hputrain launch: rank 0 failed (exit code 2): {early.stderr.strip()}"], launched.stderr
+    assert snapshot(out) == saved
+
+    # rank 0 late with its line (the other rank refuses first): still rank 0's line, once
+    late = hputrain("launch", "--nproc-per-node", "2", "--cpu", Path(__file__).with_name(
+        "run_start_script.py"), "3", *run, "--max-steps", "2")
+    assert (late.returncode, late.stderr) == (launched.returncode, launched.stderr)
     assert snapshot(out) == saved
 
     rerun = hputrain(*run, "--devices", "2", "--max-steps", "3", "--resume-from-checkpoint", "latest")

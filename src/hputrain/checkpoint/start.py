@@ -43,14 +43,15 @@ class Start:
     note: str | None = None
     """A line for the user (rank 0), or None."""
     error: str | None = None
-    """A refusal, which every rank raises as an InputError."""
+    """A refusal, which every rank raises (EveryRankError)."""
 
 
-def plan_start(output_dir: str | os.PathLike, spec: str | None, *, overwrite: bool,
+def plan_start(output_dir: str | os.PathLike, spec: str | bool | None, *, overwrite: bool,
                restarted: bool = False) -> Start:
     """Where the run in `output_dir` starts, given resume_from_checkpoint (`spec`) and
     overwrite_output_dir; reads the folder and changes nothing. A refusal is Start.error."""
     out = Path(output_dir)
+    spec = "latest" if spec is True else spec or None  # Hugging Face's train(resume_from_checkpoint=True)
     if spec and overwrite:
         return Start(error=f"{OVERWRITE_FLAG} starts over and --resume-from-checkpoint continues "
                            f"a run: give one of them")
