@@ -306,7 +306,7 @@ REWARDS = {"reward_funcs": ["rewards.py:f"]}
     ("pairs", {}, ("dpo", None)),
     ("prompt-only", REWARDS, ("grpo", None)),
     ("prompt-only", {}, ("error", "prompt, answer")),
-    ("chat", REWARDS, ("error", "--reward-funcs is for prompts")),
+    ("chat", REWARDS, ("error", "--reward-funcs")),
 ], ids=["chat", "prompt-completion", "text", "pairs", "prompts", "prompts-no-rewards", "chat-rewards"])
 def test_a_folder_of_shards_takes_the_method_of_the_same_rows_in_one_file(tmp_path, kind, flags, want):
     """Chat, prompt-completion, text, prompt-only (GRPO) and pair (DPO) shards get the method, or
