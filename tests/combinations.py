@@ -23,8 +23,9 @@ FACTORS = {
     "validation": ("noval", "val"),
     "reference": ("ref_adapters", "ref_frozen", "ref_model", "ref_precomputed", NA),
     "precision": ("fp32", "bf16"),
-    # issue 31: the data set read whole and cached, or a folder of shards read as a stream
-    "source": ("file", "stream"),
+    # issue 31: the data set read whole and cached, or a folder of shards read as a stream;
+    # issue 39: a folder of shards read whole (its validation/ subfolder the validation split)
+    "source": ("file", "folder", "stream"),
 }
 
 # Pairs refused by design (each is tested for its one-line error, exit 2): left out of the table.
@@ -115,6 +116,7 @@ class Inputs:
     ref_model: str
     datasets: dict  # method -> data file
     streams: dict  # (method, validation level) -> a folder of shards (with validation/ under "val")
+    folders: dict  # (method, validation level) -> a folder of JSON Lines files read whole, likewise
     reward_funcs: str = ""  # GRPO's FILE.py:NAME
 
 
@@ -129,6 +131,8 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
     """The `hputrain train` arguments of a case (output and resume flags aside)."""
     if case["source"] == "stream":
         data = [inputs.streams[case["method"], case["validation"]], "--streaming"]
+    elif case["source"] == "folder":
+        data = [inputs.folders[case["method"], case["validation"]]]
     else:
         data = [inputs.datasets[case["method"]]]
     flags = ["--model", inputs.model, "--dataset", *data, *COMMON]

@@ -101,6 +101,29 @@ def _shard_folders(root: Path) -> dict:
     return folders
 
 
+def _record_folders(root: Path, datasets: dict) -> dict:
+    """(method, validation level) -> a folder of each data set's rows cut into two JSON Lines
+    files, read whole (no --streaming), with a validation/ subfolder of its last 3 rows (text: one
+    document of a block) under "val": the validation split, as a DatasetDict's own."""
+    folders = {}
+    for method, path in datasets.items():
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        for validation in ("noval", "val"):
+            folder = root / f"{method}-folder-{validation}"
+            (folder / "validation").mkdir(parents=True)
+            train = rows[:-3] if validation == "val" else rows
+            for part in (0, 1):
+                _write_jsonl(folder / f"part-{part}.jsonl", train[part::2])
+            if validation == "val":  # text: one longer document, a block of 128 tokens
+                held = ([{"text": " ".join(r["text"] for r in rows[-24:])}] if method == "text"
+                        else rows[-3:])
+                _write_jsonl(folder / "validation" / "part-0.jsonl", held)
+            else:
+                (folder / "validation").rmdir()
+            folders[method, validation] = str(folder)
+    return folders
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> combos.Inputs:
     """A tiny Llama whose tokenizer carries ChatML's markers and template, another of the same
@@ -111,8 +134,8 @@ def inputs(tmp_path_factory) -> combos.Inputs:
     tokenizer.chat_template = (TEMPLATES / "chatml_tagged.jinja").read_text()
     return combos.Inputs(model=_save_llama(root / "model", tokenizer, seed=0),
                          ref_model=_save_llama(root / "reference", tokenizer, seed=1),
-                         datasets=_datasets(root), streams=_shard_folders(root),
-                         reward_funcs=_reward_file(root))
+                         datasets=(datasets := _datasets(root)), streams=_shard_folders(root),
+                         folders=_record_folders(root, datasets), reward_funcs=_reward_file(root))
 
 
 def _reward_file(root: Path) -> str:
