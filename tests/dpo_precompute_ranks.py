@@ -6,7 +6,7 @@ On 10 pairs in batches of 2 (5 batches), through DPOTrainer as a user's script c
    and whether the frozen reference was freed;
 2. the same pairs again with a trainer whose rank 1 cannot see the cache rank 0 sees (its read
    forced to find nothing): both ranks must agree to run the pass, not deadlock;
-3. once more with nothing forced: every rank reads the cache.
+3. once more, nothing forced: every rank reads the cache.
 Each rank writes what it saw to OUT/rank{R}.json."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main(policy: str, reference: str, out: str, strategy: str) -> int:
     pairs, _ = encode_pairs(((str(i), r) for i, r in enumerate(text_rows(10))), tokenizer,
                             max_length=128)
 
-    def trainer(name: str):
+    def trainer():
         args = DPOConfig(output_dir=str(Path(out) / "run"), precompute_ref_log_probs=True,
                          max_steps=1, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                          report_to="none", disable_tqdm=True, max_length=128, save_steps=-1,
@@ -43,14 +43,14 @@ def main(policy: str, reference: str, out: str, strategy: str) -> int:
                               processing_class=tokenizer, train_dataset=pairs)
 
     seen = {}
-    first = trainer("first")
+    first = trainer()
     probe = weakref.ref(first.objective.reference)
     first.train()
     gc.collect()
     seen["trained"] = {"forwards": first.precompute_forwards, "freed": probe() is None,
                        "ref_logps": logps_of(first.train_dataset)}
 
-    forced = trainer("forced")
+    forced = trainer()
     if rank == 1:  # this rank finds no cache where rank 0 finds one
         read = dpo._read_logps
         dpo._read_logps = lambda path, count: None
@@ -59,9 +59,9 @@ def main(policy: str, reference: str, out: str, strategy: str) -> int:
         dpo._read_logps = read
     seen["forced"] = {"forwards": forced.precompute_forwards, "ref_logps": logps_of(with_ref)}
 
-    cached = trainer("cached")
-    with_ref = cached.precompute_reference(pairs)
-    seen["cached"] = {"forwards": cached.precompute_forwards, "ref_logps": logps_of(with_ref)}
+    with_ref = forced.precompute_reference(pairs)  # nothing forced: the cache, on both ranks
+    seen["cached"] = {"forwards": forced.precompute_forwards - seen["forced"]["forwards"],
+                      "ref_logps": logps_of(with_ref)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     return 0
 

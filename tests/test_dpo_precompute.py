@@ -36,7 +36,7 @@ RANKS_SCRIPT = str(Path(__file__).with_name("dpo_precompute_ranks.py"))
 def live_models() -> int:
     """Causal LMs (the tiny Llamas) alive in this process, after a full collection."""
     gc.collect()
-    return sum(isinstance(o, transformers.LlamaForCausalLM) for o in gc.get_objects())
+    return sum(type(o) is transformers.LlamaForCausalLM for o in gc.get_objects())
 
 
 class PrepareProbe:
