@@ -5,7 +5,8 @@ On 10 pairs in batches of 2 (5 batches), through DPOTrainer as a user's script c
 1. train one step with a precomputed reference: this rank's reference batches and log-probs,
    and whether the frozen reference was freed;
 2. the same pairs again with a trainer whose rank 1 cannot see the cache rank 0 sees (its read
-   forced to find nothing): both ranks must agree to run the pass, not deadlock;
+   forced to find nothing), then whose rank 0 cannot: both ranks must agree to run the pass,
+   not deadlock;
 3. once more, nothing forced: every rank reads the cache.
 Each rank writes what it saw to OUT/rank{R}.json."""
 from __future__ import annotations
@@ -50,18 +51,18 @@ def main(policy: str, reference: str, out: str, strategy: str) -> int:
     seen["trained"] = {"forwards": first.precompute_forwards, "freed": probe() is None,
                        "ref_logps": logps_of(first.train_dataset)}
 
-    forced = trainer()
-    if rank == 1:  # this rank finds no cache where rank 0 finds one
+    forced, counted = trainer(), 0
+    for blind in (1, 0, None):  # rank 1, then rank 0 (the writer), finds no cache; then neither
         read = dpo._read_logps
-        dpo._read_logps = lambda path, count: None
-    with_ref = forced.precompute_reference(pairs)
-    if rank == 1:
-        dpo._read_logps = read
-    seen["forced"] = {"forwards": forced.precompute_forwards, "ref_logps": logps_of(with_ref)}
-
-    with_ref = forced.precompute_reference(pairs)  # nothing forced: the cache, on both ranks
-    seen["cached"] = {"forwards": forced.precompute_forwards - seen["forced"]["forwards"],
-                      "ref_logps": logps_of(with_ref)}
+        if rank == blind:  # this rank finds no cache where the other finds one
+            dpo._read_logps = lambda path, count: None
+        try:
+            with_ref = forced.precompute_reference(pairs)
+        finally:
+            dpo._read_logps = read
+        seen[f"blind {blind}"] = {"forwards": forced.precompute_forwards - counted,
+                                  "ref_logps": logps_of(with_ref)}
+        counted = forced.precompute_forwards
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     return 0
 
