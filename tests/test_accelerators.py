@@ -137,6 +137,22 @@ def test_cpu_setup_keeps_freed_memory_mapped():
     assert int(out.stdout) < 0.15 * pages_touched
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_cpu_setup_returns_freed_tensors_when_ranks_share_the_host():
+    """Issue 39 item 15: one of several ranks on the host (LOCAL_WORLD_SIZE > 1) gives a freed
+    tensor of 1 MiB or more back to the system, as MALLOC_MMAP_THRESHOLD_=1048576 does: each
+    round faults its pages in afresh, where a lone process reuses them (the test above)."""
+    import os
+    import resource
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _STEP_LIKE_ALLOCATIONS], capture_output=True,
+                         text=True, env={**os.environ, "LOCAL_WORLD_SIZE": "2"}, timeout=120,
+                         check=True)
+    pages_touched = 20 * 3 * 5_000_000 * 4 // resource.getpagesize()
+    assert int(out.stdout) > 0.8 * pages_touched
+
+
 # -- detection -------------------------------------------------------------------------------------
 
 def test_auto_detects_cpu_here():
