@@ -374,6 +374,15 @@ def check_run(run: Run) -> list[dict]:
     return steps
 
 
+def check_reference(case: dict, run: Run) -> None:
+    """GRPO with the starting weights as its reference (a frozen copy, or the adapters disabled):
+    at step 1 the policy is still those weights, and the reference's log-probs run on the
+    training forward's path (issue 39 item 3: autocast, lazy mode, the policy's dtype), so the
+    KL is exactly 0, as in TRL."""
+    if case["method"] == "grpo" and case["reference"] in ("ref_frozen", "ref_adapters"):
+        assert run.steps()[0]["kl"] == 0.0, run.why()
+
+
 def check_final(case: dict, inputs: combos.Inputs, run: Run) -> None:
     """final/ loads as what it is (a whole model, or adapters on the base) and gives finite logits."""
     final = run.out / "final"
@@ -430,6 +439,7 @@ def case_runs(case: dict, inputs: combos.Inputs, tmp_path: Path, request) -> tup
 def run_case(case: dict, inputs: combos.Inputs, tmp_path: Path, request) -> None:
     first, resumed = case_runs(case, inputs, tmp_path, request)
     check_run(first)
+    check_reference(case, first)
     assert (first.out / "checkpoint-1").is_dir(), first.why()
     check_final(case, inputs, first)
     assert resumed.status == 0, resumed.why()
