@@ -310,13 +310,16 @@ REWARDS = {"reward_funcs": ["rewards.py:f"]}
 ], ids=["chat", "prompt-completion", "text", "pairs", "prompts", "prompts-no-rewards", "chat-rewards"])
 def test_a_folder_of_shards_takes_the_method_of_the_same_rows_in_one_file(tmp_path, kind, flags, want):
     """Chat, prompt-completion, text, prompt-only (GRPO) and pair (DPO) shards get the method, or
-    the refusal, that the same rows in one file get; a folder of them was read as plain text."""
+    the refusal, that the same rows in one file get; a folder of them was read as plain text. Its
+    card (README.md, as a Hugging Face data set folder has) is not data."""
     rows = ROWS[kind]
     one = tmp_path / "one.jsonl"
     one.write_text("".join(json.dumps(r) + "\n" for r in rows))
     expected = _method_of(one, **flags)
     assert expected[0] == want[0] and (want[1] is None or want[1] in expected[1]), expected
-    assert _method_of(_shards(tmp_path / "shards", rows, parquet=(2,)), **flags) == expected
+    shards = _shards(tmp_path / "shards", rows, parquet=(2,))
+    (shards / "README.md").write_text("---\nlicense: mit\n---\n# a data set card, not data\n")
+    assert _method_of(shards, **flags) == expected
     if kind != "text":
         assert [r for _, r in hf_data.records(str(tmp_path / "shards"))] == rows  # rows, not text
 

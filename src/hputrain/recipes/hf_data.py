@@ -261,8 +261,10 @@ def _source(path: Path, split: str = TRAIN_SPLIT) -> tuple[str, list[Path]]:
         rows = [file for file in files if _is_record_file(file)]
         if not rows:
             return "folder", files
-        if len(rows) < len(files):
-            other = next(file for file in files if not _is_record_file(file))
+        # A data set's card (README.md, as a Hugging Face data set folder has) is not data.
+        others = [file for file in files if not _is_record_file(file) and file.suffix.lower() != ".md"]
+        if others:
+            other = others[0]
             raise InputError(f"--dataset {path} mixes files of records ({rows[0].relative_to(path)}) "
                              f"with other files ({other.relative_to(path)}), which would be read as "
                              f"plain text: keep one kind of file in the folder (records: "
