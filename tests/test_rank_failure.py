@@ -168,7 +168,8 @@ def _alive(pid: int) -> bool:
 
 
 def checkpoints(run: Path) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-"))
+    """The checkpoint folders in `run` (none when the run never made its folder)."""
+    return sorted(p.name for p in run.glob("checkpoint-*"))
 
 
 def assert_whole(folder: Path, step: int) -> None:
