@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# A rerun continues the run where it stopped (or, once it has finished, shows its results): a
+# run without --resume-from-checkpoint refuses a folder that holds checkpoints (docs/reliability.md).
 demo: $(STAMP)
-	$(BIN)/hputrain train
+	$(BIN)/hputrain train --resume-from-checkpoint latest
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
