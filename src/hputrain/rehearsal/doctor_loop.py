@@ -85,6 +85,7 @@ class LoopRehearsal:
         self._sites = _LoopModes(self._watching)
         self._handles: list = []
         self._pending = False  # an optimizer step is done, its mark_step not yet come
+        self._depth = 0  # optimizer.step calls under way (see _before_optimizer_step)
         self._skip = False  # the step now running is not counted (see _before_optimizer_step)
         self._step_line = "?"
         self._shapes: dict[str, list[int]] = {}  # moved to the device since the last optimizer step
@@ -121,6 +122,12 @@ class LoopRehearsal:
         self.reads.in_step = True
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # torch hooks the step of each optimizer class it has made an instance of, so a subclass's
+        # step that calls its parent's (FusedAdamW's, once an AdamW was made in the process) runs
+        # the hooks again inside: one optimizer step, counted at the outermost call only.
+        self._depth += 1
+        if self._depth > 1:
+            return
         if self._watching() and self._pending:  # no mark_step since the last optimizer step
             # What ran so far was one graph with no step boundary in it, and this optimizer
             # step's update alone is no step either: the steps are counted from the next one.
@@ -131,7 +138,8 @@ class LoopRehearsal:
             self._start_step()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if not self._watching():
+        self._depth -= 1
+        if self._depth or not self._watching():
             return
         self._step_line = sync_site("step").user
         self._step_shapes, self._shapes = self._shapes, {}
