@@ -17,14 +17,14 @@ What it covers (docs/doctor.md keeps the same list for users):
   against the machine's), wrap_in_hpu_graph (the module unchanged), and the random-seed
   functions (torch's CPU generator: manual_seed, manual_seed_all, seed, initial_seed,
   get_rng_state, set_rng_state).
-- `habana_frameworks.torch.distributed.hccl`: importing it makes the process-group backend
-  "hccl" usable; it is Gloo. A script started as one rank of several (WORLD_SIZE > 1) is
+- `habana_frameworks.torch.distributed.hccl`: importing it makes Gaudi's process-group backend
+  (accelerators/hpu.py's DIST_BACKEND) usable; it is Gloo. A script started as one rank of several (WORLD_SIZE > 1) is
   rehearsed as that rank alone: the environment says one rank of one while it runs, and
   DistributedDataParallel is the bare module (no gradient all-reduce to rehearse on one rank).
 - the device: `torch.device("hpu")` / "hpu:N" wherever the script passes it to torch (`.to(...)`,
   `device=` of factory functions, `Module.to`, `Tensor.hpu()`, `Module.hpu()`) lands on the lazy
   device, so `tensor.device.type` reads "lazy", not "hpu".
-- `torch.compile(..., backend="hpu_backend")` hands the function back unchanged: it runs lazily,
+- `torch.compile` with Gaudi's compile backend (COMPILE_BACKEND) hands the function back unchanged: it runs lazily,
   which is how the doctor rehearses it.
 - `habana_frameworks.torch.hpex`: `optimizers.FusedAdamW`, `normalization.FusedClipNorm` and
   `kernels.FusedSDPA`, CPU equivalents of what Gaudi's compute (standin_hpex.py).
@@ -323,7 +323,8 @@ class StandIn:
         _patch(stack, torch, "compile", compile)
 
     def _install_distributed(self, stack: contextlib.ExitStack) -> None:
-        """"hccl" as Gloo; a script started as one rank of several runs as that rank alone."""
+        """Gaudi's collectives as Gloo; a script started as one rank of several runs as that rank
+        alone."""
         import torch.distributed as dist
         import torch.nn.parallel as parallel
 
@@ -366,7 +367,8 @@ _hccl_registered = False
 
 
 def _register_hccl() -> None:
-    """The process-group backend "hccl", created as Gloo (torch keeps backends for the process)."""
+    """Gaudi's process-group backend (DIST_BACKEND), created as Gloo (torch keeps backends for the
+    process)."""
     global _hccl_registered
     import torch.distributed as dist
 
