@@ -239,9 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # another rank failed first: this is only its echo, said by that rank
         from ..distributed import failure
 
-        if failure.peer_failure() is not None:
+        if failure.echo_of_peer(exc) is not None:
             return failure.ENDED_BY_PEER
-        failure.record(f"{type(exc).__name__}: {exc}", 1)
         raise
     finally:
         sys.stdout.flush()

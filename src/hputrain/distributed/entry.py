@@ -2,8 +2,9 @@
 torchelastic's error recording, so that a rank that fails is reported by the launcher with its
 rank and its error, not only an exit code: the exception it raised, or, when it exits with a
 non-zero status instead, the one line `hputrain train` leaves to the launcher (bad input: exit 2,
-failure.py), else the last line it wrote to stderr. A worker dies with its launcher, even when the launcher is killed with SIGKILL. A worker
-that ends only because another rank failed ends quietly (failure.py).
+failure.py), else the last line it wrote to stderr. A worker dies with its launcher, even when
+the launcher is killed with SIGKILL. A worker that ends only because another rank failed ends
+quietly (failure.py).
 
 A worker that is done ends without the interpreter's final teardown (see `leave`): a backend's
 threads, still finishing the last collective, would otherwise abort it with SIGABRT at exit."""
@@ -41,9 +42,8 @@ def main() -> None:
             _record_exit(line)
         raise
     except Exception as error:  # a script's: the echo of another rank's failure ends quietly
-        peer = failure.peer_failure()
+        peer = failure.echo_of_peer(error)
         if peer is None:
-            failure.record(f"{type(error).__name__}: {error}", 1)
             raise
         _record_exit("", peer=peer)
         raise SystemExit(failure.ENDED_BY_PEER) from None

@@ -73,6 +73,16 @@ def record(line: str, status: int) -> None:
         pass
 
 
+def echo_of_peer(error: BaseException) -> dict | None:
+    """Another rank's failure that `error` is the echo of (`peer_failure`); else None, `error`
+    being this rank's own, recorded for the others. What cli.main and entry.main do with an
+    error that is not bad input."""
+    peer = peer_failure()
+    if peer is None:
+        record(f"{type(error).__name__}: {error}", 1)
+    return peer
+
+
 def peer_failure() -> dict | None:
     """{"rank", "status", "line"} of another rank's failure, when one was recorded: this rank's
     own error is then its echo. {"rank": None, ...} when the store is gone (rank 0 held it). None
