@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 from ..config.sections import ReportingSettings
@@ -130,6 +131,11 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def notice(line: str) -> None:
+    """A line for the user (rank 0's) on stderr, apart from training's records: "hputrain: line"."""
+    print(f"hputrain: {line}", file=sys.stderr, flush=True)
 
 
 def show_message(callbacks: list[Callback], text: str) -> None:

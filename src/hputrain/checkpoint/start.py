@@ -27,7 +27,8 @@ from pathlib import Path
 
 from ..errors import EveryRankError, InputError
 from .folder import SET_ASIDE_DIR, checkpoint_folders
-from .saving import latest_checkpoint, resolve_checkpoint
+from .saving import (latest_checkpoint, load_checkpoint, read_data_state, resolve_checkpoint,
+                     state_io_for)
 
 RESUME_FLAG = "--resume-from-checkpoint latest"
 OVERWRITE_FLAG = "--overwrite-output-dir"
@@ -85,6 +86,22 @@ def agree_on_start(group, output_dir: str | os.PathLike, spec: str | None, *, ov
     if start.error is not None:
         raise EveryRankError(start.error)
     return start
+
+
+def load_start(start: Start, *, model, optimizer, scheduler, accelerator, rank: int, strategy,
+               batches=None) -> dict:
+    """Load `start`'s checkpoint into the model, optimizer and scheduler (and `batches`, a stream
+    that reads its own shards, where it was); return its trainer state, or {} for a run from the
+    beginning."""
+    if start.checkpoint is None:
+        return {}
+    state = load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
+                            accelerator=accelerator, rank=rank, state_io=state_io_for(strategy))
+    if batches is not None:
+        batches.load_state_dict(read_data_state(
+            start.checkpoint, rank, check=getattr(batches, "check_data_state", None)))
+    accelerator.mark_step()
+    return state
 
 
 def begin_run(output_dir: str | os.PathLike, spec: str | None, *, overwrite: bool,

@@ -26,11 +26,11 @@ import torch
 from ..accelerators import detect_accelerator
 from ..callbacks import (Callback, CallbackHost, for_every_trainer, profiling_callbacks,
                          reporting_callbacks, show_message)
-from ..callbacks.writers import METRICS_FILE, TENSORBOARD_DIR
+from ..callbacks.writers import METRICS_FILE, TENSORBOARD_DIR, notice
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
 from ..checkpoint.folder import checkpoint_dir, drop_set_aside, lock_output_dir, rotate_checkpoints
-from ..checkpoint.start import Start, agree_on_start
+from ..checkpoint.start import Start, agree_on_start, load_start
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
 from ..config.sections import Sections
@@ -100,7 +100,7 @@ class Trainer(CallbackHost):
         self.group.init(self.args.ddp_timeout, self.device.type)
         self.precision = select_precision(self.settings.precision, self.config, self.accelerator)
         if self.precision.notice and self.group.is_main:  # bf16 asked for where it is emulated
-            print(f"hputrain: {self.precision.notice}", file=sys.stderr)
+            notice(self.precision.notice)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.collate = data_collator or default_collator_for(model, self.settings.data)  # length buckets
         self.compute_loss = compute_loss
@@ -173,7 +173,9 @@ class Trainer(CallbackHost):
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
         self.scheduler = create_scheduler(self.optimizer, settings.optimizer, total_steps)
-        state = self._resume(start.checkpoint, batches)
+        state = load_start(start, model=self.model, optimizer=self.optimizer,
+                           scheduler=self.scheduler, accelerator=accelerator, rank=self.group.rank,
+                           strategy=self.strategy, batches=batches)
         self.global_step = state.get("step", 0)
         self.best = BestCheckpoint(settings.schedule, state)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
@@ -520,7 +522,7 @@ class Trainer(CallbackHost):
                                self.args.gradient_accumulation_steps, self.group.dp_rank,
                                self.group.dp_size, self.args.seed, loading=self._loading(),
                                agree=self.group.host_sum,  # a rank-local stream's passes end together
-                               notify=_notice if self.group.is_main else None)
+                               notify=notice if self.group.is_main else None)
         return self.objective.train_batches(batches)  # GRPO: rollouts made from these prompts
 
     def _loading(self) -> LoaderOptions:
@@ -580,19 +582,6 @@ class Trainer(CallbackHost):
         self.log_message(f"loaded the best checkpoint, {folder.name} ({self.best.key} "
                          f"{self.best.metric:g})")
 
-    def _resume(self, folder: Path | None, batches: MicroBatches | None = None) -> dict:
-        if folder is None:
-            return {}
-        state = checkpoint.load_checkpoint(folder, model=self.model, optimizer=self.optimizer,
-                                           scheduler=self.scheduler, accelerator=self.accelerator,
-                                           rank=self.group.rank,
-                                           state_io=checkpoint.state_io_for(self.strategy))
-        if batches is not None:  # a stream that reads its own shards continues where it was
-            batches.load_state_dict(checkpoint.read_data_state(
-                folder, self.group.rank, check=getattr(batches, "check_data_state", None)))
-        self.accelerator.mark_step()
-        return state
-
 
 # what a run appends to in output_dir: an earlier run's, set aside by a run from the beginning
 _RUN_LOGS = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE)
@@ -603,11 +592,6 @@ _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).par
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-
-def _notice(line: str) -> None:
-    """A line for the user in the middle of a run (rank 0's), beside the progress bar."""
-    print(f"hputrain: {line}", file=sys.stderr, flush=True)
-
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
