@@ -97,12 +97,19 @@ def _figure(title: str, ylabel: str):
     return fig, ax
 
 
+def _train_and_eval(data: dict, title: str, name: str, ylabel: str):
+    """A figure of `name`'s training series (a line) and its eval_ one (points), the legend
+    left to the caller."""
+    fig, ax = _figure(f"{title}: {name}", ylabel)
+    if name in data:
+        ax.plot(*data[name], label=f"train {name}", linewidth=1)
+    if f"eval_{name}" in data:
+        ax.plot(*data[f"eval_{name}"], "o-", label=f"eval {name}", markersize=4)
+    return fig, ax
+
+
 def _plot_loss(data: dict, title: str):
-    fig, ax = _figure(f"{title}: loss", "loss")
-    if "loss" in data:
-        ax.plot(*data["loss"], label="train loss", linewidth=1)
-    if "eval_loss" in data:
-        ax.plot(*data["eval_loss"], "o-", label="eval loss", markersize=4)
+    fig, ax = _train_and_eval(data, title, "loss", "loss")
     values = [v for name in ("loss", "eval_loss") for v in data.get(name, ((), ()))[1]]
     if all(v > 0 for v in values if math.isfinite(v)):
         from matplotlib.ticker import FuncFormatter, LogFormatter
@@ -115,11 +122,8 @@ def _plot_loss(data: dict, title: str):
 
 
 def _plot_reward(data: dict, title: str):
-    fig, ax = _figure(f"{title}: reward", "reward (weighted sum of the reward functions)")
-    if "reward" in data:
-        ax.plot(*data["reward"], label="train reward", linewidth=1)
-    if "eval_reward" in data:
-        ax.plot(*data["eval_reward"], "o-", label="eval reward", markersize=4)
+    fig, ax = _train_and_eval(data, title, "reward",
+                              "reward (weighted sum of the reward functions)")
     ax.legend()
     return fig
 
