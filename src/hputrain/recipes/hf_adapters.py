@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.model_folders import (ADAPTER_CONFIG, TOKENIZER_CONFIG,  # noqa: F401
-                                        adapter_base, adapter_config, is_adapter_folder,
-                                        load_adapter, tokenizer_folder)
+from ..checkpoint.model_folders import (adapter_base, adapter_config, is_adapter_folder,
+                                        tokenizer_folder)
 from ..errors import InputError
 
 

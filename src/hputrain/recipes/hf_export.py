@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from ..checkpoint.export import save_model
+from ..checkpoint.model_folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ..errors import InputError
 from .hf import load_model, model_folder
-from .hf_adapters import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 
 
 def export_merged(adapter: str, output: str, base_model: str | None = None) -> Path:

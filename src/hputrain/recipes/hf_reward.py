@@ -37,12 +37,13 @@ SHAPES = {"prompt_chosen_rejected": "reward model on preference pairs ('prompt',
 def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     """Train a reward model from `folder` on --dataset's pairs; write final/ (see the module
     docstring). Returns the exit status."""
+    from ..checkpoint.model_folders import is_adapter_folder
     from ..config.grpo import RewardConfig
     from ..training.reward import RewardTrainer
     from .finish import report_outputs, save_final, write_recipe
     from .hf_sft import use_chat_template
 
-    from .hf_adapters import continued_rank, is_adapter_folder, tokenizer_source
+    from .hf_adapters import continued_rank, tokenizer_source
     from .hf_sharded import loads_sharded
 
     shape = check_reward_data(options, folder)
@@ -85,7 +86,7 @@ def check_reward_data(options, folder: Path) -> str:
     from ..config.grpo import grpo_flags_given
     from ..config.preference import preference_flags_given
     from ..data.preference import is_preference, pair_shape
-    from .hf_adapters import is_adapter_folder
+    from ..checkpoint.model_folders import is_adapter_folder
     from .hf_methods import check_not_empty
 
     columns = hf_data.columns_of(options.dataset)
