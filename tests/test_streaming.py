@@ -150,43 +150,6 @@ def test_each_rank_reads_only_its_shards_and_keeps_every_sample(tmp_path, tokeni
                     1: {"part-001.jsonl", "part-003.jsonl"}}
 
 
-def test_a_pass_ends_on_every_rank_when_one_rank_runs_out(tmp_path, tokenizer):
-    """Two ranks as two threads whose `agree` is a real sum over both: rank 1's shards are
-    shorter, so rank 0 drops the rest of its pass and both start the next pass together."""
-    folder = write_shards(tmp_path / "d", [text_rows(0, 40), text_rows(1, 10)])
-    barrier, sums, got = threading.Barrier(2), [None, None], {}
-
-    def agree(rank):
-        def total(values):
-            sums[rank] = values
-            barrier.wait()
-            out = [a + b for a, b in zip(*sums)]
-            barrier.wait()
-            return out
-        return total
-
-    def run(rank):
-        batches = MicroBatches(stream_of(folder, tokenizer), default_collate, batch_size=2,
-                               rank=rank, world_size=2, agree=agree(rank))
-        got[rank] = [(b["input_ids"], batches.epoch_of(k + 1))
-                     for k, b in zip(range(30), batches.iterate(0))]
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    short = stream_of(folder, tokenizer)
-    short.take_rank(1, 2)
-    per_pass = len(list(short)) // 2
-    assert 0 < per_pass < 15
-    for rank in (0, 1):
-        epochs = [e for _, e in got[rank]]
-        assert epochs == [k // per_pass for k in range(30)]
-        first, again = got[rank][0][0], got[rank][per_pass][0]
-        assert torch.equal(first, again)  # the second pass starts at this rank's first block
-
-
 def two_ranks(folder, tokenizer, steps: int, batch_size: int = 2):
     """Two ranks as two threads whose `agree` is a real sum over both: (each rank's [(input_ids,
     epoch)] of `steps` micro-batches, the lines each rank's `notify` was given)."""
@@ -213,6 +176,22 @@ def two_ranks(folder, tokenizer, steps: int, batch_size: int = 2):
     for t in threads:
         t.join(60)
     return got, said
+
+
+def test_a_pass_ends_on_every_rank_when_one_rank_runs_out(tmp_path, tokenizer):
+    """Two ranks as two threads whose `agree` is a real sum over both: rank 1's shards are
+    shorter, so rank 0 drops the rest of its pass and both start the next pass together."""
+    folder = write_shards(tmp_path / "d", [text_rows(0, 40), text_rows(1, 10)])
+    got, _ = two_ranks(folder, tokenizer, 30)
+    short = stream_of(folder, tokenizer)
+    short.take_rank(1, 2)
+    per_pass = len(list(short)) // 2
+    assert 0 < per_pass < 15
+    for rank in (0, 1):
+        epochs = [e for _, e in got[rank]]
+        assert epochs == [k // per_pass for k in range(30)]
+        first, again = got[rank][0][0], got[rank][per_pass][0]
+        assert torch.equal(first, again)  # the second pass starts at this rank's first block
 
 
 def test_what_uneven_shards_leave_unread_is_said_once(tmp_path, tokenizer):

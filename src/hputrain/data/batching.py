@@ -448,14 +448,13 @@ class MicroBatches:
                  loading: LoaderOptions = LoaderOptions(), agree=None, notify=None):
         self.dataset, self.collate = dataset, collate
         self.loading = loading
-        self.notify = notify  # line -> None: says what a rank-local stream's passes leave unread
         # A data set that reads its own shards (data/streaming.py) is this rank's already: it is
         # told its rank here and never sliced; `agree` (values -> their sums over the ranks: the
-        # process group's host_sum) ends its passes together (local_stream).
+        # process group's host_sum) ends its passes together, and `notify` (line -> None) says
+        # what they leave unread (ShardStream.pass_ends).
         self.own_shards = bool(getattr(dataset, "reads_own_shards", False))
         if self.own_shards:
-            dataset.take_rank(rank, world_size)
-        self.agree = agree or list
+            dataset.take_rank(rank, world_size, agree=agree or list, notify=notify)
         self._resumed: dict | None = None  # the position a resumed run's stream starts from
         self._positions: dict[int, dict] = {}  # micro-batches given out -> the position after them
         self.batch_size, self.accumulate = batch_size, accumulate
@@ -555,9 +554,7 @@ class MicroBatches:
     def local_stream(self, start_step: int = 0, epochs: int | None = None):
         """Micro-batches of consecutive samples of a rank-local stream, none sliced, each one's
         position remembered (data_state). A pass ends on every rank as soon as one rank's shards
-        run out: before each micro-batch the ranks agree (one small host all-reduce) whether any
-        has none left, so every rank takes the same steps; a rank that still had samples drops
-        them, and every rank starts its next pass."""
+        run out (ShardStream.pass_ends), so all take the same steps; then all start the next."""
         count, to_skip = start_step * self.accumulate, 0
         if self._resumed is not None:
             self.dataset.load_state_dict(self._resumed)
@@ -572,14 +569,8 @@ class MicroBatches:
             try:
                 while True:
                     item = next(batches, None)
-                    ended, empty = self.agree([item is None, item is None and not produced and fresh])
-                    if empty:
-                        raise InputError("--streaming: a rank's shards hold less than one micro-batch "
-                                         f"({self.batch_size} samples): give every rank more data")
-                    if ended:  # what ranks that still had samples leave: said once (ShardStream)
-                        line = self.dataset.pass_ended(item is not None, position, self.agree)
-                        if line and self.notify:
-                            self.notify(line)
+                    if self.dataset.pass_ends(item is not None, not produced and fresh, position,
+                                              self.batch_size):
                         break
                     batch, position = item
                     produced, count = produced + 1, count + 1

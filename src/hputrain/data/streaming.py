@@ -183,15 +183,18 @@ class ShardStream(IterableDataset):
         self.block_size, self.packing, self.pad_token_id, self.buffer = block_size, packing, pad_token_id, buffer
         self.take_rank(0, 1)
 
-    def take_rank(self, rank: int, world_size: int) -> None:
-        """Read shard i on rank i % world_size only, from the start."""
+    def take_rank(self, rank: int, world_size: int, agree: Callable = list,
+                  notify: Callable | None = None) -> None:
+        """Read shard i on rank i % world_size only, from the start; `agree` (values -> their
+        sums over the ranks) ends passes together, `notify` (line -> None) hears what they leave
+        unread (pass_ends)."""
         if len(self.all_shards) < world_size:
             raise InputError(f"--streaming: --dataset has {len(self.all_shards)} shard(s) for "
                              f"{world_size} data-parallel ranks, and each rank reads its own shards: "
                              f"split the data into at least {world_size} files")
         self.rank, self.world_size = rank, world_size
         self.shards = self.all_shards[rank::world_size]
-        self._told_unread = False
+        self.agree, self.notify, self._told_unread = agree, notify, False
         self._state = self._start(0)
 
     # -- the position ---------------------------------------------------------------------------
@@ -253,8 +256,22 @@ class ShardStream(IterableDataset):
     def epoch(self) -> int:
         return self._state["epoch"]
 
-    # -- what a pass leaves unread ----------------------------------------------------------------
-    def pass_ended(self, left: bool, position: dict, agree) -> str | None:
+    # -- where a pass ends, and what it leaves unread --------------------------------------------
+    def pass_ends(self, left: bool, empty: bool, position: dict, batch_size: int) -> bool:
+        """Whether this pass ends on every rank, asked before each micro-batch on all of them (one
+        small host all-reduce): it does as soon as one rank has none `left`. Raises InputError
+        when a rank had none since a fresh pass began (`empty`); at the first end, says through
+        `notify` what the ranks that still had samples leave (pass_ended)."""
+        ended, none = self.agree([not left, not left and empty])
+        if none:
+            raise InputError("--streaming: a rank's shards hold less than one micro-batch "
+                             f"({batch_size} samples): give every rank more data")
+        line = self.pass_ended(left, position) if ended else None
+        if line and self.notify:
+            self.notify(line)
+        return bool(ended)
+
+    def pass_ended(self, left: bool, position: dict) -> str | None:
         """Called on every rank when the ranks agree that a pass ended, the first time only with
         effect: where each rank that still had samples (`left`) stopped (`position`, after its last
         micro-batch), summed over the ranks by `agree`, as one line (on every rank). Every pass
@@ -268,7 +285,7 @@ class ShardStream(IterableDataset):
         mine[self.rank] = 1.0  # context-parallel ranks share a data-parallel rank: each reports it
         if at is not None:
             mine[n + self.rank], mine[2 * n + self.rank] = at[0] + 1, at[1]
-        summed = agree(mine)
+        summed = self.agree(mine)
         places = {k: (round(summed[n + k] / summed[k]) - 1, round(summed[2 * n + k] / summed[k]))
                   for k in range(n) if summed[k]}
         unread = [f"rank {k}: {self.unread(k, *place)}" for k, place in places.items()
