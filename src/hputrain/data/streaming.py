@@ -127,8 +127,8 @@ def _parquet_rows(path: Path, row: int) -> Iterator[tuple[dict, int, int]]:
                 yield record, at, 0
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _is_count(value, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _is_tokens(value) -> bool:
@@ -231,7 +231,7 @@ class ShardStream(IterableDataset):
         whole = {"epoch": 0, "shard": 0, "row": 0, "offset": 0, "rank": 0, "world_size": 1}
         for key, least in whole.items():
             value = state.get(key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            if not _is_count(value, least):
                 raise ValueError(f"{key} must be a whole number >= {least}, not {json.dumps(value)[:40]}")
         pending = state.get("pending")
         tokens = self.packing == "text"
