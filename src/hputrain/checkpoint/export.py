@@ -16,8 +16,8 @@ gathered: its library's writer, given no tensors, writes the folder's other file
 weights are gathered, written and dropped one tensor at a time (streamed.py), into the files the
 library would write (the same names, split at max_shard_size as transformers splits, with its
 index). A PEFT model's adapter, and a transformers model that renames its weights on saving, go
-through the library's writer with the state dict gathered first (host.gathered_state). The folder is assembled in a hidden `.tmp-NAME`
-beside it and renamed into place (an existing folder of that name is replaced only then), so a
+through the library's writer with the state dict gathered first (host.gathered_state). The
+folder is assembled in a hidden `.tmp-NAME` beside it and renamed into place (an existing folder of that name is replaced only then), so a
 crash leaves the old folder or the new one, never half of one. Ranks then agree on whether the
 write worked, so a failure on the main rank is an error on every rank rather than a hang.
 """
@@ -138,13 +138,10 @@ def save_model(model: torch.nn.Module, folder, tokenizer=None, group=None,
 
 def _saved(write, folder: Path) -> InputError | None:
     """None once `write()` has written the folder, else the one-line InputError saying why."""
-    try:
-        write()
-    except OSError as exc:  # a read-only or full disk, a parent that is a file
-        return InputError(f"Cannot save the model to {folder}: {os_reason(exc)}.")
-    except InputError as exc:
-        return exc
-    return None
+    failure = _attempt(write)
+    if isinstance(failure, OSError):  # a read-only or full disk, a parent that is a file
+        return InputError(f"Cannot save the model to {folder}: {os_reason(failure)}.")
+    return failure
 
 
 # -- a sharded model, streamed ---------------------------------------------------------------------
@@ -164,12 +161,11 @@ def streamed_layout(model: torch.nn.Module, max_shard_size) -> dict[str, dict] |
     entries = each_once_by_identity(model)
     if _is_instance(model, "transformers", "PreTrainedModel") and _renamed_on_save(model, entries):
         return None
-    placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
     from huggingface_hub import split_torch_state_dict_into_shards
 
     if not _is_instance(model, "transformers", "PreTrainedModel"):
         return {MODEL_FILE: entries}  # one file, as the built-in GPT's and safetensors' writers write
-    split = split_torch_state_dict_into_shards(placeholders, filename_pattern="model{suffix}.safetensors",
+    split = split_torch_state_dict_into_shards(_placeholders(entries), filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     layout = {file: {name: entries[name] for name in names}
               for file, names in split.filename_to_tensors.items()}
@@ -187,11 +183,16 @@ def _renamed_on_save(model, entries: dict) -> bool:
         from transformers.modeling_utils import revert_weight_conversion
     except ImportError:  # a transformers without weight conversions renames nothing
         return False
-    placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+    placeholders = _placeholders(entries)
     try:
         return set(revert_weight_conversion(model, dict(placeholders))) != set(placeholders)
     except Exception:  # noqa: BLE001 - whatever it cannot do on placeholders: the gathered path
         return True
+
+
+def _placeholders(entries: dict) -> dict[str, torch.Tensor]:
+    """`entries` as meta tensors of their global shapes and dtypes: what a library's planner reads."""
+    return {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
 
 
 def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) -> None:
@@ -217,7 +218,8 @@ def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) ->
         raise failure
 
 
-def _attempt(step) -> BaseException | None:
+def _attempt(step) -> OSError | InputError | None:
+    """The OSError or InputError `step()` raised, or None."""
     try:
         step()
     except (OSError, InputError) as exc:

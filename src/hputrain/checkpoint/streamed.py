@@ -29,15 +29,13 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.float8_e5m2: "F8_E5M2"}
 
 
-def each_once_by_identity(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def each_once_by_identity(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors (parameters and persistent buffers, sharded or not) by state-dict
     name, a tensor registered under two names (a tied weight) under its first only; the layers'
     extra state (not tensors) left out."""
     seen, entries = set(), {}
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor) or id(value) in seen:
-            continue
-        if trainable_only and not value.requires_grad:
             continue
         seen.add(id(value))
         entries[name] = value
