@@ -19,22 +19,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..callbacks.writers import notice
 from ..config.grpo import GRPOConfig, generation_layout
 from ..data.batching import base_model
 from ..errors import InputError
-from ..execution.inference import max_length
 from ..execution.generation import (Sampling, StaticGenerator, attention_mask, completion_mask,
                                     end_token_ids, mask_kind)
+from ..execution.inference import max_length
 from .grpo_eval import EvalPlan, EvalRollouts, first_batch
 from .grpo_loss import group_advantages, grpo_loss, logged_means, logging_average, reward_metrics
-from .logps import token_logps
 from .intervals import total_steps_of
+from .logps import token_logps
 from .objective import Objective, adapters_disabled
 from .rewards import CompletionsLog, RewardFunctions, RewardState, completion_for, conversational
 from .rollout import Layout, Rollouts
@@ -49,7 +49,6 @@ def encode_prompts(rows: list[dict], tokenizer, longest: int | None) -> tuple[li
     generation prompt. Prompts are kept whole, as TRL keeps them (one longer than the largest
     bucket gets the next multiple of it); an empty one, or one longer than `longest` (what the
     model's positions leave beside the completion; None: no limit), is left out."""
-
     kept, ids = [], []
     for index, row in enumerate(rows):
         if "prompt" not in row:
@@ -72,7 +71,7 @@ def encode_prompts(rows: list[dict], tokenizer, longest: int | None) -> tuple[li
 class Scored:
     """One rollout on this rank after its rewards: its batch on the device, and for the metrics
     what every rank gathered (each rank's rewards, lengths, truncation flags, active tokens,
-    prompts and completions), the rewards, the advantages and the active tokens over ranks."""
+    prompts, completions and logs), the rewards, the advantages and the active tokens over ranks."""
 
     batch: dict
     everyone: list
@@ -80,6 +79,8 @@ class Scored:
     advantages: object
     tokens: int
     lengths_mine: list[int]
+    columns: dict
+    """The reward functions' log_extra columns, one value per completion of every rank."""
 
 
 class RolloutCount:
@@ -142,7 +143,7 @@ class GRPOObjective(Objective):
         self.left_out = len(rows) - len(self.kept)
         if not self.kept:
             raise InputError(f"no prompt is left to train on: every one is empty{self._too_long()}")
-        self.sums: list[torch.Tensor] | None = None  # each micro-batch's (grpo_loss.METRIC_SLOTS)
+        self.sums: list[torch.Tensor] = []  # each micro-batch's (grpo_loss.METRIC_SLOTS)
         self.extremes: list[torch.Tensor] = []  # each micro-batch's (grpo_loss.EXTREMES)
         self.rollout_metrics: list[dict] = []
         self.step = 0  # the optimizer step the latest micro-batch belongs to (reward functions')
@@ -261,6 +262,9 @@ class GRPOObjective(Objective):
         for _, metrics in (part[6] for part in everyone):  # averaged into the next record, as TRL
             for name, values in metrics.items():
                 self.logged.setdefault(name, []).extend(values)
+        # checked on every rank at every rollout, not only where rank 0 writes completions.jsonl
+        columns = logged_columns([part[6][0] for part in everyone],
+                                 sum(len(part[4]) for part in everyone), step)
         all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float32)
         all_rewards = all_rewards.view(-1, len(self.reward_funcs.names))
         self._warn_unscorable(all_rewards, everyone, step)
@@ -272,7 +276,8 @@ class GRPOObjective(Objective):
                  "attention_mask": torch.cat([prompt_mask, mask], dim=1),
                  "completion_mask": mask, "advantages": mine.to(loop.device)}
         return Scored(batch, everyone, all_rewards, advantages,
-                      sum(a for part in everyone for a in part[3]), [len(k) for k in tokens_kept])
+                      sum(a for part in everyone for a in part[3]), [len(k) for k in tokens_kept],
+                      columns)
 
     def _warn_unscorable(self, rewards: torch.Tensor, everyone: list, step: int) -> None:
         """TRL's warning when every reward function returned None for a completion (it counts for
@@ -284,10 +289,10 @@ class GRPOObjective(Objective):
         prompts = [p for part in everyone for p in part[4]]
         first = repr(prompts[int(unscorable.nonzero()[0, 0])])
         first = first if len(first) <= 60 else first[:57] + "..."
-        print(f"hputrain: warning: every reward function returned None for {int(unscorable.sum())} "
-              f"of {len(prompts)} completions at step {step} (the first for prompt {first}): such a "
-              "completion counts for nothing (no reward, advantage 0); make at least one reward "
-              "function return a number for it (said once)", file=sys.stderr)
+        notice(f"warning: every reward function returned None for {int(unscorable.sum())} of "
+               f"{len(prompts)} completions at step {step} (the first for prompt {first}): such a "
+               "completion counts for nothing (no reward, advantage 0); make at least one reward "
+               "function return a number for it (said once)")
 
     def _complete(self, generation: int, rows: list[int], prompt_ids: list[list[int]]):
         """(prompt ids, prompt mask, completion ids, completion mask) on the device: generated,
@@ -381,7 +386,7 @@ class GRPOObjective(Objective):
             self.log.write(step, prompts, completions, [a for part in everyone for a in part[3]],
                            scored.rewards, self.reward_funcs.names, self.reward_funcs.weights,
                            scored.advantages.advantages,
-                           extra=logged_columns([part[6][0] for part in everyone], len(prompts), step))
+                           extra=scored.columns)
 
     def _rollout_metrics(self, scored: Scored) -> dict:
         """TRL's completion-length and reward metrics of one rollout (every rank's completions)."""
@@ -413,7 +418,7 @@ class GRPOObjective(Objective):
                         steps_per_generation=1 if self.evaluation else layout.steps_per_generation,
                         max_completion_length=cfg.max_completion_length, entropies=entropy)
         if self.counting:  # not a batch a rank repeats only to keep in step
-            self.sums = [*(self.sums or []), out.sums.detach()]  # TRL logs each micro-batch's
+            self.sums.append(out.sums.detach())  # TRL logs each micro-batch's
             self.extremes.append(out.extremes)
         return out.loss
 
@@ -442,8 +447,8 @@ class GRPOObjective(Objective):
         clip_ratio/low_min and high_max: grpo_loss.logged_means), the rollouts' metrics averaged,
         each average leaving NaN out (None where nothing is left: a reward no function gave), and
         (training) the share of the time spent generating."""
-        sums, extremes = self.sums or [], self.extremes
-        self.sums, self.extremes = None, []
+        sums, extremes = self.sums, self.extremes
+        self.sums, self.extremes = [], []
         local = torch.cat([torch.stack(sums), torch.stack(extremes)], dim=1).float().tolist() \
             if sums else []
         means = logged_means(group.gather_objects(local))
@@ -464,7 +469,7 @@ class GRPOObjective(Objective):
         """Around an evaluation: training's sums, extremes and rollout metrics since the last
         record kept aside, and the evaluation's time left out of training's generation share."""
         kept = self.sums, self.extremes, self.rollout_metrics, self.generation_seconds, self.logged
-        self.sums, self.extremes, self.rollout_metrics, self.logged = None, [], [], {}
+        self.sums, self.extremes, self.rollout_metrics, self.logged = [], [], [], {}
         self.evaluation, start = True, time.perf_counter()
         try:
             yield
