@@ -12,6 +12,13 @@ def did_you_mean(word: str, choices, cutoff: float = 0.5, quote: bool = True) ->
     return f" (did you mean {near[0]!r}?)" if quote else f" (did you mean {near[0]}?)"
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message (its type's name when it has none): what a one-line
+    error quotes of a library's exception."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class InputError(ValueError):
     """Bad input from the user (a flag, a config file, a checkpoint, a dataset, a device that is
     not there). The message names the problem; no traceback is shown."""

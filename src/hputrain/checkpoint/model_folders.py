@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import InputError
+from ..errors import first_line as _first_line
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -211,7 +212,3 @@ def classifier_adapters(folder: Path, base_model: str | None = None, *, trainabl
         raise InputError(f"{flag} {folder}: its base {base} cannot be loaded as a sequence "
                          f"classifier: {_first_line(exc)}") from None
     return load_adapter(classifier, folder, trainable=trainable, flag=flag), tokenizer_folder(folder, base)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

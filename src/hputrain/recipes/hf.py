@@ -17,12 +17,12 @@ from ..config.fields import ConfigError, check_choice
 from ..config.grpo import GRPO_DEFAULTS, REWARD_DEFAULTS, GRPOOptions
 from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
+from ..errors import first_line as _first_line
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
                                         folder_task, head_labels, is_adapter_folder, load_adapter,
                                         load_classifier, tokenizer_folder)
 from .hf_adapters import continued_rank, tokenizer_source
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
-from .hf_common import first_line as _first_line
 from .hf_common import model_line
 from .hf_methods import data_kind, is_prompts, method_options  # noqa: F401  (imported from here too)
 

@@ -1,5 +1,5 @@
 """What every Hugging Face recipe (fine-tuning, DPO, GRPO, reward models) shares: the block size
-a run takes, and an exception's first line for the one-line errors."""
+a run takes, and the run header's model line."""
 from __future__ import annotations
 
 from ..errors import InputError
@@ -19,11 +19,6 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
         raise InputError(f"--block-size {asked} is longer than the {longest} positions the model "
                          f"takes: give --block-size {longest} or less")
     return asked
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def model_line(trainer, model, options) -> str:

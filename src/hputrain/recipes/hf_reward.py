@@ -8,9 +8,9 @@ needs to find each sequence's last token. Under --lora-r the adapters are PEFT's
 which also trains and saves the score head (modules_to_save), so final/ loads as
 PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base,
 num_labels=1), final); given as --model, such a final/ is trained on further (its adapters and
-head), as a LoRA run's final/ is for the other methods. Validation: the data set's own "validation" split, else the last
---validation-split-percentage of the pairs, as for DPO. --block-size is the longest sequence kept:
-longer pairs are left out (TRL's max_length). The rows are encoded once per node by
+head), as a LoRA run's final/ is for the other methods. Validation: the data set's own
+"validation" split, else the last --validation-split-percentage of the pairs, as for DPO.
+--block-size is the longest sequence kept: longer pairs are left out (TRL's max_length). The rows are encoded once per node by
 --dataset-num-proc processes and cached in output_dir/.cache (or --cache-dir), through DPO's
 code (hf_dpo.load_pairs). Under fsdp across processes the model is loaded shard by shard, as
 the other recipes load it (hf_sharded.py).
@@ -22,10 +22,11 @@ import os
 import warnings
 from pathlib import Path
 
-from ..checkpoint.model_folders import SEQ_CLS, check_task, classifier_adapters, quiet_load_report
-from ..errors import InputError
+from ..checkpoint.model_folders import (SEQ_CLS, check_task, classifier_adapters, is_adapter_folder,
+                                        quiet_load_report)
+from ..errors import InputError, first_line
 from . import hf_data
-from .hf_common import choose_block_size, first_line
+from .hf_common import choose_block_size
 from .hf_sharded import meta_model
 
 SHAPES = {"prompt_chosen_rejected": "reward model on preference pairs ('prompt', 'chosen', "
@@ -37,7 +38,6 @@ SHAPES = {"prompt_chosen_rejected": "reward model on preference pairs ('prompt',
 def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     """Train a reward model from `folder` on --dataset's pairs; write final/ (see the module
     docstring). Returns the exit status."""
-    from ..checkpoint.model_folders import is_adapter_folder
     from ..config.grpo import RewardConfig
     from ..training.reward import RewardTrainer
     from .finish import report_outputs, save_final, write_recipe
@@ -86,7 +86,6 @@ def check_reward_data(options, folder: Path) -> str:
     from ..config.grpo import grpo_flags_given
     from ..config.preference import preference_flags_given
     from ..data.preference import is_preference, pair_shape
-    from ..checkpoint.model_folders import is_adapter_folder
     from .hf_methods import check_not_empty
 
     columns = hf_data.columns_of(options.dataset)
