@@ -201,24 +201,6 @@ class _ClosedPipeQuiet:
         return getattr(self._stream, name)
 
 
-def _said_by_rank_0(seconds: float = 30.0) -> bool:
-    """On a rank other than 0, wait (up to `seconds`) until rank 0 has recorded the error every
-    rank found alike (errors.EveryRankError), and say whether it did: this rank then ends quietly,
-    after it, so that the job ends with rank 0's line."""
-    import time
-
-    from ..distributed import failure
-
-    if os.environ.get("RANK", "0") == "0":
-        return False
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if failure.peer_failure() is not None:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _ClosedPipeQuiet(sys.stdout), _ClosedPipeQuiet(sys.stderr)
@@ -229,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:  # one line (said once for the whole job: distributed/failure.py)
         from ..distributed import failure
 
-        if isinstance(exc, EveryRankError) and _said_by_rank_0():
+        if isinstance(exc, EveryRankError) and failure.said_by_rank_0():
             return failure.ENDED_BY_PEER
         failure.say(f"hputrain: error: {exc}", 2)
         return 2

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
+import time
 
 ENDED_BY_PEER = 75
 """The exit status of a rank that ended because another rank failed (quietly)."""
@@ -81,6 +83,20 @@ def echo_of_peer(error: BaseException) -> dict | None:
     if peer is None:
         record(f"{type(error).__name__}: {error}", 1)
     return peer
+
+
+def said_by_rank_0(seconds: float = 30.0) -> bool:
+    """On a rank other than 0, wait (up to `seconds`) until rank 0 has recorded the error every
+    rank found alike (errors.EveryRankError), and say whether it did: this rank then ends quietly,
+    after it, so that the job ends with rank 0's line."""
+    if os.environ.get("RANK", "0") == "0":
+        return False
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if peer_failure() is not None:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def peer_failure() -> dict | None:
