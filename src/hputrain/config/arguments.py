@@ -151,6 +151,14 @@ class TrainingArguments:
     """Capture the training step in graphs where the device supports it."""
     context_parallel_size: int = 1
     """Processes that split each sequence between them."""
+    expert_parallel_size: int = 1
+    """Processes of the data-parallel group that split a mixture-of-experts model's experts between
+    them, exchanging tokens by all-to-all (docs/moe.md); it must divide the number of processes and
+    the number of experts. 1: every process holds every expert."""
+    router_aux_loss_coef: float | None = None
+    """A mixture-of-experts model's load-balancing loss weight, trained beside the language-model
+    loss (and logged as aux_loss); unset: the model config's router_aux_loss_coef, trained when the
+    config sets output_router_logits. 0 turns the router's loss off."""
     minimize_memory: bool = False
     """With fp8, keep fp8 weights between forward and backward instead of a wider copy."""
     fp8: bool = False
@@ -261,7 +269,7 @@ class TrainingArguments:
         check_finite(self)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size",
                      "gradient_accumulation_steps", "logging_steps", "devices", "num_nodes",
-                     "context_parallel_size", "ddp_timeout"):
+                     "context_parallel_size", "expert_parallel_size", "ddp_timeout"):
             check(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
         check(self.save_steps >= -1,
               f"save_steps must be -1 (never), 0 (at the end) or more, got {self.save_steps}")
@@ -269,6 +277,8 @@ class TrainingArguments:
                      "weight_decay", "max_grad_norm"):
             check(getattr(self, name) >= 0, f"{name} must not be negative, got {getattr(self, name)}")
         check(self.learning_rate > 0, f"learning_rate must be positive, got {self.learning_rate}")
+        check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+              f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
         check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
               "adam_beta1 and adam_beta2 must lie in [0, 1)")
         check(self.adam_epsilon is None or self.adam_epsilon > 0, "adam_epsilon must be positive")

@@ -97,6 +97,7 @@ class ParallelismSettings(_Section):
     fsdp_init_on_meta: bool
     fsdp_block_classes: list[str] | None
     context_parallel_size: int
+    expert_parallel_size: int
     ddp_bucket_cap_mb: int | None
     ddp_find_unused_parameters: bool
     fast_ddp_bf16_gradients: bool
@@ -181,9 +182,10 @@ HELP_GROUPS = (
      ("execution_mode", "torch_compile", "pipelining_fwd_bwd", "use_graphs_for_inference",
       "use_graphs_for_training", "attention_recompute", "fused_kernels")),
     ("data loading and padding", DataSettings, ()),
-    ("devices and parallelism: ddp, fast_ddp, fsdp, context parallel", ParallelismSettings,
+    ("devices and parallelism: ddp, fast_ddp, fsdp, context and expert parallel", ParallelismSettings,
      ("accelerator", "devices", "ddp_backend", "ddp_timeout")),
     ("activation checkpointing", ActivationCheckpointing, ()),
+    ("mixture of experts: the router's loss", None, ("router_aux_loss_coef",)),
     ("reporting: progress bar, trackers", ReportingSettings, ()),
     ("profiling", None, ("profile_steps", "profiling_warmup_steps", "profiling_steps",
                          "profiling_record_shapes", "profiling_with_stack")),
