@@ -21,7 +21,7 @@ from ..errors import first_line as _first_line
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
                                         folder_task, head_labels, is_adapter_folder, load_adapter,
                                         load_classifier, tokenizer_folder)
-from .hf_adapters import continued_rank, tokenizer_source
+from .hf_adapters import continued_rank, is_linear, lora_settings, moe_experts, tokenizer_source
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
 from .hf_common import model_line
 from .hf_methods import data_kind, is_prompts, method_options  # noqa: F401  (imported from here too)
@@ -99,9 +99,12 @@ class HFOptions(GRPOOptions, PreferenceOptions):
     lora_alpha: float | None = None
     """LoRA scaling numerator; unset means 2 * lora_r."""
     lora_dropout: float | None = None
-    """Dropout on the LoRA path; unset means 0.05."""
+    """Dropout on the LoRA path; unset means 0.05 (0 where PEFT adapts a weight as a parameter:
+    the experts)."""
     lora_target_modules: list[str] | None = None
-    """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else all-linear."""
+    """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else
+    all-linear; on a mixture of experts, every linear layer but the routers. There "experts" adapts
+    the experts' fused weights (PEFT's target_parameters) and a router's name (gate) the router."""
     center_rewards_coefficient: float | None = None
     """--method reward: add this times the squared sum of each pair's two rewards to the loss,
     which keeps rewards centred on 0 (TRL's name; 0.01 in the paper that proposed it)."""
@@ -184,6 +187,8 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         data_kind(options)  # a method that never streams (GRPO) says so first
         check_stream(options, training_args)
     adopt_launcher_env(training_args.devices, training_args.num_nodes)  # mpirun's or srun's ranks
+    if training_args.expert_parallel_size > 1:  # refused before any process starts
+        _expert_parallel(folder, options.model, training_args)
     if needs_launch(training_args.devices, training_args.num_nodes):
         # One process per device, started before any weight is read: this one only waits for them
         # (it would otherwise hold a whole copy of the model for the length of the run).
@@ -261,6 +266,22 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     elif final is not None:
         print(f'load it with AutoModelForCausalLM.from_pretrained("{final}")')
     return 0
+
+
+def _expert_parallel(folder: Path, name: str, training_args) -> None:
+    """An expert-parallel layout the model and the world allow (one line otherwise), and the
+    expert-parallel forward made known to transformers (distributed/expert_parallel.py)."""
+    import transformers
+
+    from ..distributed.expert_parallel import check_expert_parallel
+    from ..execution.experts.parallel import register
+
+    world = int(os.environ.get("WORLD_SIZE") or training_args.devices * training_args.num_nodes)
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_expert_parallel(training_args.expert_parallel_size, world, config=config, model_name=name,
+                          context_parallel_size=training_args.context_parallel_size,
+                          strategy=training_args.strategy)
+    register()
 
 
 def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):
@@ -446,16 +467,11 @@ def add_lora(model, options: HFOptions):
         import peft
     except ImportError:
         raise InputError("--lora-r needs peft, which is not installed: pip install peft") from None
-    targets = options.lora_target_modules
-    if targets:
-        _check_targets(model, targets)
-    else:  # peft knows the attention projections of the architectures it lists
-        known = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
-        targets = None if getattr(model.config, "model_type", None) in known else "all-linear"
+    if options.lora_target_modules and not moe_experts(model):
+        _check_targets(model, options.lora_target_modules)
     config = peft.LoraConfig(task_type="CAUSAL_LM", r=options.lora_r,
                              lora_alpha=options.lora_alpha or 2 * options.lora_r,
-                             lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
-                             target_modules=targets)
+                             **lora_settings(peft, model, options))
     rng_state = torch.random.get_rng_state()  # what the adapters are drawn from
     try:
         with warnings.catch_warnings():  # PEFT reads a name transformers 5 deprecates: not the user's
@@ -473,19 +489,12 @@ def _check_targets(model, targets: list[str]) -> None:
     """Each target names a module (by its last name part, or a dotted tail), as peft matches."""
     names = [name for name, _ in model.named_modules() if name]
     layers = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if _is_linear(module)})
+                     if is_linear(module)})
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in names):
             raise InputError(f"--lora-target-modules: {type(model).__name__} has no module named "
                              f"{target!r}{did_you_mean(target, layers)}; its linear layers are "
                              f"{', '.join(layers)}")
-
-
-def _is_linear(module) -> bool:
-    import torch
-
-    # GPT-2 style models hold their projections in transformers' Conv1D, a transposed Linear.
-    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 # -- the run header ------------------------------------------------------------------------------

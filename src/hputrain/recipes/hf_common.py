@@ -33,6 +33,8 @@ def model_line(trainer, model, options) -> str:
         peft_config = next(iter(model.peft_config.values()))
         targets = peft_config.target_modules
         targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
+        if getattr(peft_config, "target_parameters", None):  # the experts' fused weights
+            targets = ", ".join(filter(None, [targets, *sorted(peft_config.target_parameters)]))
         name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "

@@ -26,6 +26,7 @@ from ..checkpoint.model_folders import (SEQ_CLS, check_task, classifier_adapters
                                         quiet_load_report)
 from ..errors import InputError, first_line
 from . import hf_data
+from .hf_adapters import lora_settings
 from .hf_common import choose_block_size
 from .hf_sharded import meta_model
 
@@ -179,14 +180,9 @@ def add_reward_lora(model, options):
         import peft
     except ImportError:
         raise InputError("--lora-r needs peft, which is not installed: pip install peft") from None
-    targets = options.lora_target_modules
-    if not targets:  # peft knows the attention projections of the architectures it lists
-        known = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
-        targets = None if getattr(model.config, "model_type", None) in known else "all-linear"
     config = peft.LoraConfig(task_type="SEQ_CLS", r=options.lora_r,
                              lora_alpha=options.lora_alpha or 2 * options.lora_r,
-                             lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
-                             target_modules=targets)
+                             **lora_settings(peft, model, options))
     import torch
 
     from ..distributed.fsdp import on_meta
