@@ -129,27 +129,40 @@ def test_two_ranks_load_untied_bf16_adapter_and_reference_bit_for_bit(tmp_path, 
         assert_no_whole_parameter_read(tmp_path, name, folder)
 
 
-def renamed_folder(source, target):
+def renamed_folder(source, target, drop: str | None = None):
     """`source` with its tensors under the base model's names (no `model.` prefix, no lm_head):
-    from_pretrained maps them (the model is tied), the one-to-one match does not."""
+    from_pretrained maps them (the model is tied), and so does the sharded loader, which follows
+    its renaming; `drop` (a base-model name) left out of the file as well."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, target)
     state = load_file(target / "model.safetensors")
-    save_file({k.removeprefix("model."): v for k, v in state.items() if k != "lm_head.weight"},
+    save_file({k.removeprefix("model."): v for k, v in state.items()
+               if k != "lm_head.weight" and k.removeprefix("model.") != drop},
               target / "model.safetensors", metadata={"format": "pt"})
     return target
+
+
+def test_base_model_names_load_shard_by_shard_as_from_pretrained_maps_them(tmp_path, folders):
+    from hputrain.distributed.fsdp import materialise, weight_source
+    from hputrain.recipes import hf
+
+    model, _ = hf.load_model(renamed_folder(folders["tied"], tmp_path / "renamed"), sharded=True)
+    assert all(p.is_meta for p in model.parameters())
+    materialise(model, torch.device("cpu"), 0, weight_source(model))
+    assert_bit_equal(reference(folders["tied"]), {k: v.detach() for k, v in model.state_dict().items()})
 
 
 def test_names_that_do_not_map_fall_back_to_from_pretrained_with_one_line(tmp_path, folders, capsys):
     from hputrain.recipes import hf
 
-    folder = renamed_folder(folders["tied"], tmp_path / "renamed")
+    folder = renamed_folder(folders["tied"], tmp_path / "renamed", drop="norm.weight")
     model, _ = hf.load_model(folder, sharded=True)
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "every rank loads the whole model" in out[0]
-    assert "model.embed_tokens.weight is not among the files' tensors" in out[0]
+    assert "model.norm.weight is not among the files' tensors" in out[0]
     assert not any(p.is_meta for p in model.parameters())
+    # from_pretrained draws the missing norm as the model's init does: ones, as it was saved
     assert_bit_equal(reference(folders["tied"]), {k: v.detach() for k, v in model.state_dict().items()})
 
 

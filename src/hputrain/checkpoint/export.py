@@ -15,8 +15,10 @@ Under fsdp each rank holds a shard of every parameter, so every rank must call `
 gathered: its library's writer, given no tensors, writes the folder's other files, and its
 weights are gathered, written and dropped one tensor at a time (streamed.py), into the files the
 library would write (the same names, split at max_shard_size as transformers splits, with its
-index). A PEFT model's adapter, and a transformers model that renames its weights on saving, go
-through the library's writer with the state dict gathered first (host.gathered_state). The
+index). A transformers model that converts its weights on loading (a mixture of experts' fused
+experts) is written in the form on disk that from_pretrained reads, each tensor turned back by
+transformers' own reverse conversion as it is gathered (hf_conversion.disk_form). A PEFT model's
+adapter goes through the library's writer with the state dict gathered first (host.gathered_state). The
 folder is assembled in a hidden `.tmp-NAME` beside it and renamed into place (an existing folder of that name is replaced only then), so a
 crash leaves the old folder or the new one, never half of one. Ranks then agree on whether the
 write worked, so a failure on the main rank is an error on every rank rather than a hang.
@@ -150,49 +152,81 @@ def streamed_layout(model: torch.nn.Module, max_shard_size) -> dict[str, dict] |
     """For a sharded model (fsdp) saved whole, the files its weights go to, {file name: {name:
     tensor}} (sharded, not yet gathered), laid out as its library's writer lays them out: the
     names each once (a tied weight under its first), split past `max_shard_size` by
-    huggingface_hub's own splitter, as transformers splits. None where the library's writer
-    must see the gathered state: a model that is not sharded (it is whole already), a PEFT
-    model (its adapter is small), and a transformers model that renames its weights on saving
-    (revert_weight_conversion: MoE experts stored unfused)."""
+    huggingface_hub's own splitter, as transformers splits. A transformers model that converts
+    its weights on loading (MoE experts fused) is written in the form on disk, each tensor
+    turned back by transformers' own reverse conversion (`on_disk`): the index names the
+    tensors on disk. None where the library's writer must see the gathered state: a model that
+    is not sharded (it is whole already), a PEFT model (its adapter is small), and a conversion
+    that cannot be reverted one tensor at a time."""
     from .streamed import each_once_by_identity
 
     if not is_sharded(model) or is_peft_model(model):
         return None
     entries = each_once_by_identity(model)
-    if _is_instance(model, "transformers", "PreTrainedModel") and _renamed_on_save(model, entries):
+    if not _is_instance(model, "transformers", "PreTrainedModel"):
+        return {MODEL_FILE: entries}  # one file, as the built-in GPT's and safetensors' writers write
+    disk_names = _disk_names(model, entries)
+    if disk_names is None:
         return None
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    if not _is_instance(model, "transformers", "PreTrainedModel"):
-        return {MODEL_FILE: entries}  # one file, as the built-in GPT's and safetensors' writers write
+    # split by the model's tensors: reverting a conversion moves bytes, it adds or drops none
     split = split_torch_state_dict_into_shards(_placeholders(entries), filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     layout = {file: {name: entries[name] for name in names}
               for file, names in split.filename_to_tensors.items()}
     if split.is_sharded:
-        layout[INDEX_FILE] = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        weight_map = {disk: file for file, names in split.filename_to_tensors.items()
+                      for name in names for disk in disk_names[name]}
+        layout[INDEX_FILE] = {"metadata": split.metadata, "weight_map": weight_map}
     return layout
 
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _renamed_on_save(model, entries: dict) -> bool:
-    """Whether transformers' save_pretrained would write other names than `entries`'."""
-    try:
-        from transformers.modeling_utils import revert_weight_conversion
-    except ImportError:  # a transformers without weight conversions renames nothing
-        return False
+def on_disk(model):
+    """convert(name, tensor) for streamed.write_safetensors: the tensors save_pretrained writes
+    for the model's tensor `name` (transformers' reverse conversion of it alone)."""
+    from .hf_conversion import disk_form
+
+    return lambda name, tensor: disk_form(model, name, tensor)
+
+
+def _disk_names(model, entries: dict) -> dict[str, list[str]] | None:
+    """Model name -> the names save_pretrained writes for it, or None where reverting the
+    conversion one tensor at a time does not give what reverting them all at once gives (a
+    reverse conversion that joins several of the model's tensors), or changes the bytes."""
+    from .hf_conversion import disk_form
+
     placeholders = _placeholders(entries)
     try:
-        return set(revert_weight_conversion(model, dict(placeholders))) != set(placeholders)
+        together = revert_weight_conversion_of(model, placeholders)
+        alone = {name: disk_form(model, name, tensor) for name, tensor in placeholders.items()}
     except Exception:  # noqa: BLE001 - whatever it cannot do on placeholders: the gathered path
-        return True
+        return None
+    parts = {out: part for outs in alone.values() for out, part in outs.items()}
+    same = parts.keys() == together.keys() and all(
+        parts[out].shape == together[out].shape and parts[out].dtype == together[out].dtype for out in parts)
+    if not same or sum(p.numel() for p in parts.values()) != sum(t.numel() for t in placeholders.values()):
+        return None
+    return {name: list(outs) for name, outs in alone.items()}
+
+
+def revert_weight_conversion_of(model, state: dict) -> dict:
+    """transformers' save_pretrained renaming of `state` (unchanged where it has none)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions renames nothing
+        return dict(state)
+    return revert_weight_conversion(model, dict(state))
 
 
 def _placeholders(entries: dict) -> dict[str, torch.Tensor]:
     """`entries` as meta tensors of their global shapes and dtypes: what a library's planner reads."""
-    return {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+    from .streamed import placeholder
+
+    return {name: placeholder(t) for name, t in entries.items()}
 
 
 def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) -> None:
@@ -209,7 +243,8 @@ def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) ->
     for file, entries in layout.items():
         if file != INDEX_FILE:
             path = tmp / file if main and failure is None else None
-            failure = _attempt(lambda: write_safetensors(path, entries, metadata={"format": "pt"})) or failure
+            failure = _attempt(lambda: write_safetensors(path, entries, metadata={"format": "pt"},
+                                                         convert=on_disk(model))) or failure
     if main and failure is None:
         failure = _attempt(lambda: _end_folder(model, tmp, folder, layout, tokenizer))
     if failure is not None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .hf_conversion import Node, folder_plan, whole_box
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PEFT_PREFIX = "base_model.model."
@@ -54,19 +56,23 @@ def safetensors_files(folder: Path) -> dict[str, Path] | str:
 
 
 class FolderWeights:
-    """The weight source of a model whose every parameter is a tensor of a folder's safetensors
-    files (`match` builds it, or says why not). `fill` is what the strategy calls."""
+    """The weight source of a model whose every parameter is made of a folder's safetensors
+    tensors (`match` builds it, or says why not): one tensor as stored, or, where transformers
+    converts the folder's tensors on loading (a mixture of experts' fused experts), several
+    (checkpoint/hf_conversion.py). `fill` is what the strategy calls; `read_part` and
+    `read_experts` read any part of one parameter (expert parallelism's experts of a rank)."""
 
-    def __init__(self, files: dict[str, Path], keys: dict[str, str]) -> None:
+    def __init__(self, files: dict[str, Path], nodes: dict[str, Node]) -> None:
         self.files = files  # tensor name -> file
-        self.keys = keys  # parameter name (every name of a tied one) -> tensor name
+        self.nodes = nodes  # parameter name (every name of a tied one) -> what the files make it of
 
     @classmethod
     def match(cls, folder: Path, model: torch.nn.Module) -> FolderWeights | str:
         """The source for `model` (bare, as transformers builds it) from `folder`, or a string
-        saying why its parameters do not map onto the folder's tensors one to one (transformers'
-        key renames for some architectures, a missing weight that from_pretrained would draw,
-        another shape), for which the caller loads the whole model instead."""
+        saying why its parameters do not map onto the folder's tensors (a missing weight that
+        from_pretrained would draw, another shape, a conversion of transformers not followed
+        part by part), for which the caller loads the whole model instead. The folder's names
+        map onto the model's as from_pretrained maps them (its conversion mapping)."""
         files = safetensors_files(folder)
         if isinstance(files, str):
             return files
@@ -74,53 +80,80 @@ class FolderWeights:
             shapes = _shapes(set(files.values()))
         except Exception as exc:  # safetensors raises its own error types for a bad header
             return f"the safetensors files cannot be read ({exc})"
+        if missing := sorted(set(files) - set(shapes)):
+            return f"{missing[0]} is named in {INDEX_FILE} but is not in its file"
+        plan = folder_plan(model, shapes)
+        if isinstance(plan, str):
+            return plan
         names: dict[int, list[str]] = {}
         params: dict[int, torch.nn.Parameter] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
             params[id(param)] = param
-        keys = {}
+        nodes = {}
         for ident, aliases in names.items():
-            key = next((name for name in aliases if name in files), None)
-            if key is None:
+            node = next((plan[name] for name in aliases if name in plan), None)
+            if node is None:
                 return f"{aliases[0]} is not among the files' tensors"
-            shape = shapes.get(key)
-            if shape is None:
-                return f"{key} is named in {INDEX_FILE} but is not in its file"
-            if shape != tuple(params[ident].shape):
-                return f"{key} has shape {list(shape)} in the files, {list(params[ident].shape)} in the model"
-            keys.update(dict.fromkeys(aliases, key))
-        return cls(files, keys)
+            if node.shape != tuple(params[ident].shape):
+                return (f"{'+'.join(node.keys()[:2])} has shape {list(node.shape)} in the files, "
+                        f"{list(params[ident].shape)} in the model")
+            nodes.update(dict.fromkeys(aliases, node))
+        for name, buffer in _persistent_buffers(model):  # DeepSeek-V3's e_score_correction_bias
+            if name in plan and plan[name].shape == tuple(buffer.shape):
+                nodes[name] = plan[name]
+        return cls(files, nodes)
 
-    def key_of(self, name: str) -> str | None:
-        """The tensor of the files behind the parameter `name` of the model, wrapped or not."""
-        if name in self.keys:
-            return self.keys[name]
+    def node_of(self, name: str) -> Node | None:
+        """What the files make the parameter `name` of the model of, wrapped or not."""
+        if name in self.nodes:
+            return self.nodes[name]
         bare = name.removeprefix(PEFT_PREFIX)
         for part in WRAPPER_PARTS:
             bare = bare.replace(part, "")
-        return self.keys.get(bare)
+        return self.nodes.get(bare)
 
     def fill(self, model: torch.nn.Module) -> list[str]:
-        """Copy into each parameter of `model` that the files hold the rows this rank holds of it
+        """Copy into each parameter of `model` that the files hold the part this rank holds of it
         (its local shard, or the whole tensor when unsharded), cast to the parameter's dtype as
-        from_pretrained(dtype=...) casts; return the names of the parameters filled."""
+        from_pretrained(dtype=...) casts, and the persistent buffers the files hold (whole, as
+        from_pretrained loads them over what the constructor computed); return the names filled."""
         filled = []
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                key = self.key_of(name)
-                if key is None:
+            for name, param in [*model.named_parameters(), *model.named_buffers()]:
+                node = self.node_of(name)
+                if node is None:
                     continue
                 local = param.to_local() if hasattr(param, "to_local") else param
-                index = local_index(param)
                 if local.numel():
-                    local.copy_(self.read(key, index))
+                    local.copy_(node.read(local_index(param), self.read))
                 filled.append(name)
         return filled
 
+    def read_part(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part `index` (a slice with start and stop per dimension, none empty) of the
+        model's parameter `name` as from_pretrained would load it, in the files' dtype, reading
+        only the bytes of the folder's tensors that land in it."""
+        node = self.node_of(name)
+        if node is None:
+            raise KeyError(f"{name} is not among the parameters the folder fills")
+        return node.read(tuple(index), self.read)
+
+    def read_experts(self, name: str, experts: range) -> torch.Tensor:
+        """Experts `experts` (a range with step 1) of the fused experts parameter `name`
+        (experts along dimension 0, as transformers fuses them: `...mlp.experts.gate_up_proj`,
+        `...down_proj`, their biases), whole in the other dimensions: the rows an expert-parallel
+        rank holds. Reads only those experts' tensors (stored apart) or rows (stored fused)."""
+        node = self.node_of(name)
+        if node is None:
+            raise KeyError(f"{name} is not among the parameters the folder fills")
+        if experts.step != 1 or not 0 <= experts.start < experts.stop <= node.shape[0]:
+            raise ValueError(f"experts {experts} are not a range within {name}'s {node.shape[0]}")
+        return self.read_part(name, (slice(experts.start, experts.stop),) + whole_box(node.shape[1:]))
+
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """The part `index` of the tensor `key`, in the file's dtype: only those bytes are read
-        from the memory-mapped file, which is closed again (its pages leave this process)."""
+        """The part `index` of the folder's tensor `key`, in the file's dtype: only those bytes
+        are read from the memory-mapped file, which is closed again (its pages leave this process)."""
         from safetensors import safe_open
 
         with safe_open(str(self.files[key]), framework="pt") as handle:
@@ -129,6 +162,26 @@ class FolderWeights:
 
     def __deepcopy__(self, memo) -> FolderWeights:
         return self  # a copy of the model (DPO's reference) reads the same files
+
+
+def read_experts(folder: Path, model: torch.nn.Module, name: str, experts: range) -> torch.Tensor:
+    """Experts `experts` of the fused experts parameter `name` of `model` (bare, as transformers
+    builds it; on the meta device is enough) from the model folder `folder`, reading only their
+    bytes (FolderWeights.read_experts); an InputError when the folder's tensors do not map onto
+    the model's parameters."""
+    from ..errors import InputError
+
+    source = FolderWeights.match(Path(folder), model)
+    if isinstance(source, str):
+        raise InputError(f"{folder}: its weights do not map onto {type(model).__name__}'s parameters ({source})")
+    return source.read_experts(name, experts)
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of `model` that its state dict holds, by state-dict name."""
+    return [(f"{owner}.{leaf}" if owner else leaf, buffer) for owner, module in model.named_modules()
+            for leaf, buffer in module._buffers.items()
+            if buffer is not None and leaf not in module._non_persistent_buffers_set]
 
 
 def _shapes(files: set[Path]) -> dict[str, tuple[int, ...]]:

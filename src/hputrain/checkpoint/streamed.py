@@ -74,12 +74,23 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu()
 
 
+def placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `tensor`'s global shape and dtype: what a header or a planner reads."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
 def write_safetensors(path: Path | None, entries: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
+                      metadata: dict[str, str] | None = None, convert=None) -> None:
     """Write `entries` to `path` as safetensors, gathering each in turn (every rank calls this;
-    the main rank passes its path, the others None and write nothing). See the module
-    docstring for a failed write."""
-    head = header(entries, metadata)  # on every rank: a dtype it refuses stops all of them
+    the main rank passes its path, the others None and write nothing). `convert(name, tensor)`,
+    when given, turns each whole tensor into the tensors written in its place ({name: tensor}
+    without it; the names and shapes it gives a meta placeholder are the header's): a fused
+    experts parameter written as transformers' on-disk experts. See the module docstring for a
+    failed write."""
+    convert = convert or (lambda name, tensor: {name: tensor})
+    written = {out: part for name, tensor in entries.items()
+               for out, part in convert(name, placeholder(tensor)).items()}
+    head = header(written, metadata)  # on every rank: a dtype it refuses stops all of them
     failure = handle = None
     if path is not None:
         try:
@@ -87,13 +98,14 @@ def write_safetensors(path: Path | None, entries: dict[str, torch.Tensor],
             handle.write(head)
         except OSError as exc:
             failure, handle = exc, _close(handle)
-    for tensor in entries.values():
+    for name, tensor in entries.items():
         full = whole(tensor)
-        if handle is not None:
-            try:
-                handle.write(full.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            except OSError as exc:
-                failure, handle = exc, _close(handle)
+        for part in convert(name, full).values():
+            if handle is not None:
+                try:
+                    handle.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                except OSError as exc:
+                    failure, handle = exc, _close(handle)
         del full  # one whole tensor at a time
     if handle is not None:
         try:

@@ -1,0 +1,312 @@
+"""Mixture-of-experts folders loaded shard by shard and saved back (issue 40 item 6).
+
+transformers 5 fuses the experts that a folder stores apart (Mixtral's
+block_sparse_moe.experts.N.w1/w2/w3, Qwen's, OLMoE's and DeepSeek's mlp.experts.N.*_proj) into
+3-D parameters as it loads them. The sharded loader follows that conversion
+(checkpoint/hf_conversion.py): the reference is `from_pretrained(dtype=float32)`, compared bit for
+bit, and each rank must read each byte of the files it needs and no other (every byte of the
+folder read exactly once across the ranks). final/ is written in the form on disk, compared by
+the logits from_pretrained(final) gives against the trained model's."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .moe_fixtures import tiny_moe_config
+from .test_distributed import ROOT, hputrain_launch
+from .test_sharded_loading import assert_bit_equal, launch, reference
+
+transformers = pytest.importorskip("transformers")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
+BATCH = torch.arange(2, 34).reshape(2, 16)
+
+
+def write_folder(folder, family: str, seed: int = 0, **save_options):
+    """A tiny folder of `family` as save_pretrained writes it (the experts apart, in each expert's
+    on-disk names), every persistent buffer drawn too (DeepSeek-V3's e_score_correction_bias,
+    which real checkpoints hold and the model's init sets to zeros)."""
+    from .hf_fixtures import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, len(tokenizer)))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in model.state_dict() and buffer.is_floating_point():
+                buffer.normal_()
+    model.save_pretrained(folder, **save_options)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def fused_folder(source, folder):
+    """`source` with its weights in the fused form (the model's own parameter names, one 3-D
+    tensor per layer's experts), which from_pretrained also reads."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    for file in folder.glob("model*.safetensors*"):
+        file.unlink()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def tensor_shapes(folder) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            shapes |= {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    return shapes
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-loading")
+    made = {family: write_folder(root / family, family) for family in FAMILIES}
+    made["mixtral-index"] = write_folder(root / "mixtral-index", "mixtral", seed=1, max_shard_size="40KB")
+    made["mixtral-fused"] = fused_folder(made["mixtral"], root / "mixtral-fused")
+    for family in FAMILIES:  # the folders hold each expert apart, as real checkpoints do
+        assert any(re.search(r"experts\.\d+\.", key) for key in tensor_shapes(made[family])), family
+    assert (made["mixtral-index"] / "model.safetensors.index.json").is_file()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensor_shapes(made["mixtral-fused"])
+    return made
+
+
+class Reads:
+    """FolderWeights.read recorded: (tensor name, the slices read)."""
+
+    def __init__(self, monkeypatch):
+        from hputrain.checkpoint.hf_weights import FolderWeights
+
+        self.log: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        read = FolderWeights.read
+
+        def recording(source, key, index):
+            self.log.append((key, tuple((s.start, s.stop) for s in index)))
+            return read(source, key, index)
+
+        monkeypatch.setattr(FolderWeights, "read", recording)
+
+
+def filled_on_one_process(folder) -> dict:
+    from hputrain.distributed.fsdp import materialise, weight_source
+    from hputrain.recipes import hf
+
+    model, _ = hf.load_model(folder, sharded=True)
+    assert all(p.is_meta for p in model.parameters()), "fell back to loading the whole model"
+    materialise(model, torch.device("cpu"), 0, weight_source(model))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "mixtral-index", "mixtral-fused"])
+def test_the_sharded_loader_gives_what_from_pretrained_gives(folders, name, capsys):
+    """Experts apart (each family's names, an index over several files) or already fused: the
+    meta model filled from the files equals from_pretrained bit for bit, with no fallback line."""
+    assert_bit_equal(reference(folders[name]), filled_on_one_process(folders[name]))
+    assert "every rank loads the whole model" not in capsys.readouterr().out
+
+
+def test_deepseek_correction_bias_is_loaded_from_the_files(folders):
+    """A persistent buffer the files hold is theirs, not the constructor's zeros."""
+    state = filled_on_one_process(folders["deepseek_v3"])
+    bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().sum() > 0
+    assert torch.equal(bias, reference(folders["deepseek_v3"])["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "mixtral-fused"])
+def test_read_experts_reads_those_experts_only(folders, name, monkeypatch):
+    """What expert parallelism asks: experts 2-4 of a layer, equal to from_pretrained's rows, from
+    experts 2-4's tensors read whole (stored apart) or rows 2-4 of the fused one, nothing else."""
+    from hputrain.checkpoint.hf_weights import read_experts
+    from hputrain.recipes.hf_sharded import parameters_on_meta
+
+    expected = reference(folders[name])
+    config = transformers.AutoConfig.from_pretrained(folders[name])
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reads = Reads(monkeypatch)
+    for param in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{param}"
+        part = read_experts(folders[name], model, key, range(2, 5))
+        assert torch.equal(part, expected[key][2:5])
+    shapes = tensor_shapes(folders[name])
+    for key, index in reads.log:
+        expert = re.search(r"experts\.(\d+)\.", key)
+        if expert:  # one expert's tensor, read whole
+            assert 2 <= int(expert.group(1)) <= 4 and index == tuple((0, n) for n in shapes[key])
+        else:  # the fused tensor: rows 2-4 only
+            assert index[0] == (2, 5) and index[1:] == tuple((0, n) for n in shapes[key][1:])
+    assert {key for key, _ in reads.log} <= {k for k in shapes if ".layers.1." in k}
+    assert len(reads.log) == (2 if name == "mixtral-fused" else 9)  # 3 experts × (w1, w3, w2)
+
+
+def test_a_part_across_gate_and_up_reads_the_rows_of_each(folders, monkeypatch):
+    """Any box of a fused parameter (a shard along another dimension than the experts'): rows
+    50-80 of gate_up_proj (intermediate 64) are rows 50-63 of w1 and 0-15 of w3, of experts 1-2."""
+    from hputrain.checkpoint.hf_weights import FolderWeights
+    from hputrain.recipes.hf_sharded import parameters_on_meta
+
+    config = transformers.AutoConfig.from_pretrained(folders["mixtral"])
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    source = FolderWeights.match(folders["mixtral"], model)
+    reads = Reads(monkeypatch)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    part = source.read_part(key, (slice(1, 3), slice(50, 80), slice(5, 20)))
+    assert torch.equal(part, reference(folders["mixtral"])[key][1:3, 50:80, 5:20])
+    assert sorted(reads.log) == sorted(
+        (f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight", (rows, (5, 20)))
+        for e in (1, 2) for w, rows in (("w1", (50, 64)), ("w3", (0, 16))))
+
+
+def test_a_conversion_it_cannot_follow_falls_back_with_one_line(folders, monkeypatch, capsys):
+    """An operation of transformers' mapping that the loader does not know: the whole model on
+    every rank, as before, with one line naming it."""
+    from transformers import core_model_loading
+
+    from hputrain.recipes import hf
+
+    monkeypatch.setattr(core_model_loading, "MergeModulelist", type("Other", (), {}))
+    model, _ = hf.load_model(folders["olmoe"], sharded=True)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "every rank loads the whole model" in out[0]
+    assert "uses MergeModulelist, which hputrain does not follow part by part" in out[0]
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=BATCH).logits
+
+
+def test_streamed_writing_gives_the_files_save_pretrained_gives(folders, tmp_path):
+    """export's writer, one tensor at a time through transformers' reverse conversion: the same
+    tensors under the same names as save_pretrained, and from_pretrained of it the same logits."""
+    from safetensors.torch import load_file
+
+    from hputrain.checkpoint.export import on_disk
+    from hputrain.checkpoint.streamed import each_once_by_identity, write_safetensors
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_moe"], dtype=torch.float32)
+    model.save_pretrained(tmp_path / "theirs")
+    (tmp_path / "ours").mkdir()
+    shutil.copy(tmp_path / "theirs" / "config.json", tmp_path / "ours")
+    write_safetensors(tmp_path / "ours" / "model.safetensors", each_once_by_identity(model),
+                      metadata={"format": "pt"}, convert=on_disk(model))
+    theirs, ours = (load_file(tmp_path / n / "model.safetensors") for n in ("theirs", "ours"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    assert torch.equal(logits_of(loaded), logits_of(model))
+
+
+def test_one_process_final_round_trip(folders, tmp_path):
+    """Trained 2 steps in one process from a Mixtral folder with its experts apart: final/ holds
+    them apart again, and from_pretrained(final) gives the trained model's logits."""
+    from hputrain import Trainer, TrainingArguments
+    from hputrain.checkpoint.export import save_model
+    from hputrain.recipes import hf
+
+    from .moe_export_script import rows
+
+    model, tokenizer = hf.load_model(folders["mixtral"])
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+                             learning_rate=1e-2, save_steps=-1, disable_tqdm=True, accelerator="cpu",
+                             report_to="none")
+    trainer = Trainer(model, args, train_dataset=rows())
+    trainer.train()
+    final = save_model(trainer.model, tmp_path / "final", tokenizer)
+    assert tensor_shapes(final).keys() == tensor_shapes(folders["mixtral"]).keys()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    trained = logits_of(trainer.model)
+    assert not torch.equal(trained, logits_of(transformers.AutoModelForCausalLM.from_pretrained(
+        folders["mixtral"], dtype=torch.float32)))
+    assert torch.equal(logits_of(loaded), trained)
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+def assert_each_byte_read_once(out, name: str, folder, ranks: int = 2) -> None:
+    """Across the ranks every element of the folder's tensors was read exactly once; each rank
+    read at most its share (half, rounded up per tensor), and of the experts stored apart, rank
+    r read only its own: experts [r·E/2, (r+1)·E/2) of each layer (fsdp cuts the fused experts
+    parameter along the experts)."""
+    shapes = tensor_shapes(folder)
+    counts = {key: torch.zeros(shape, dtype=torch.int32) for key, shape in shapes.items()}
+    experts = 1 + max(int(m.group(1)) for k in shapes if (m := re.search(r"experts\.(\d+)\.", k)))
+    for rank in range(ranks):
+        read = 0
+        for entry in json.loads((out / f"{name}.reads.{rank}.json").read_text()):
+            index = tuple(slice(a, b) for a, b in entry["index"])
+            counts[entry["key"]][index] += 1
+            read += counts[entry["key"]][index].numel()
+            expert = re.search(r"experts\.(\d+)\.", entry["key"])
+            if expert:
+                assert rank * experts // ranks <= int(expert.group(1)) < (rank + 1) * experts // ranks, entry
+        assert read <= sum(-(-t.numel() // ranks) for t in counts.values()), (rank, read)
+    for key, count in counts.items():
+        assert bool((count == 1).all()), key
+
+
+@pytest.mark.slow
+def test_two_ranks_load_each_family_bit_for_bit_reading_each_byte_once(tmp_path, folders):
+    """Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 (experts apart), a Mixtral over several files and a
+    fused one, under fsdp on 2 processes: equal to from_pretrained, each byte read by one rank."""
+    names = [*FAMILIES, "mixtral-index", "mixtral-fused"]
+    launch(tmp_path, *(f"{name},{folders[name]}" for name in names))
+    for name in names:
+        assert json.loads((tmp_path / f"{name}.json").read_text())["on_meta"], name
+        assert_bit_equal(reference(folders[name]), torch.load(tmp_path / f"{name}.pt"))
+        assert_each_byte_read_once(tmp_path, name, folders[name])
+
+
+@pytest.mark.slow
+def test_fsdp_final_round_trip_on_two_processes(tmp_path, folders):
+    """Trained 2 steps under fsdp on 2 processes from a Mixtral folder with its experts apart,
+    written by the streamed writer: final/ holds the experts apart under the folder's names, and
+    from_pretrained(final) gives the trained model's weights and logits."""
+    proc, _ = hputrain_launch("--cpu", "--nproc-per-node", "2", str(ROOT / "tests" / "moe_export_script.py"),
+                              str(tmp_path), str(folders["mixtral"]), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = torch.load(tmp_path / "trained.pt")
+    final = tmp_path / "final"
+    assert tensor_shapes(final).keys() == tensor_shapes(folders["mixtral"]).keys()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert_bit_equal(trained["state"], {k: v.detach() for k, v in loaded.state_dict().items()})
+    assert not torch.equal(trained["state"]["model.layers.0.mlp.experts.gate_up_proj"],
+                           reference(folders["mixtral"])["model.layers.0.mlp.experts.gate_up_proj"])
+    assert torch.equal(logits_of(loaded), trained["logits"])
+
+
+@pytest.mark.slow
+def test_the_issue_command_line_loads_mixtral_shard_by_shard(tmp_path, folders):
+    """`hputrain train --devices 2 --strategy fsdp` on a Mixtral folder: no rank loads the whole
+    model (the issue's line is gone), and final/ is a folder from_pretrained reads whole (every
+    tensor of the model found, under the names of the folder it started from)."""
+    from .hf_fixtures import write_text_file
+
+    data = write_text_file(tmp_path / "rows.txt", lines=40)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu", "--model",
+                           str(folders["mixtral"]), "--dataset", str(data), "--devices", "2",
+                           "--strategy", "fsdp", "--max-steps", "2", "--per-device-train-batch-size", "1",
+                           "--validation-split-percentage", "0", "--disable-tqdm", "--precision", "fp32",
+                           "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "every rank loads the whole model" not in proc.stdout + proc.stderr
+    final = out / "final"
+    assert tensor_shapes(final).keys() == tensor_shapes(folders["mixtral"]).keys()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
