@@ -47,6 +47,8 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     result = {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
               "eval_tokens": tokens, "method": data.method, "block_size": block_size,
               "packing": bool(options.packing) or data.method == "text"}
+    if "eval_aux_loss" in metrics:  # a mixture of experts' router loss (training/router.py)
+        result["eval_aux_loss"] = metrics["eval_aux_loss"]
     if data.method != "text":  # examples longer than a block are cut to it (text is one stream)
         result |= {"examples_cut": data.packed.truncated, "tokens_cut": data.packed.labels_cut}
     return result

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .loss import TokenCount
+from .router import NoRouter, token_mask
 
 
 @dataclass
@@ -50,14 +51,19 @@ class Loop:
     `like_trained=True` keeps the policy's dtype too (Precision.convert_frozen)."""
     device_scalar: Callable[[float], torch.Tensor]
     """A number copied to the device as graph input data (no new lazy graph when it changes)."""
+    router: NoRouter = field(default_factory=NoRouter)
+    """A mixture of experts' router (router.py): the logits of call_model's forwards recorded,
+    so that the loop adds its load-balancing loss to the method's."""
 
     def call_model(self, module: torch.nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor, **extra) -> object:
         """`module` on token ids and their mask, without a key/value cache (a training forward)."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **extra}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **extra,
+                  **self.router.forward_kwargs}
         if self.inputs is None or "use_cache" in self.inputs:
             inputs["use_cache"] = False
-        return module(**inputs)
+        with self.router.recording(token_mask({"attention_mask": attention_mask})):
+            return module(**inputs)
 
 
 class Objective:

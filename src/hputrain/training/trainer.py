@@ -54,6 +54,7 @@ from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS
 from .prepare import prepare_model
+from .router import router_of, token_mask
 from .rewards import COMPLETIONS_FILE
 from .signals import StopSignals
 from .telemetry import ThroughputClock, flops_per_token, job_peak_flops
@@ -122,6 +123,9 @@ class Trainer(CallbackHost):
         # the training method (objective.py): language modelling unless a method says otherwise
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
+        # a mixture of experts' router: its load-balancing loss and load metrics (router.py)
+        self.router = router_of(self.model, self.args.router_aux_loss_coef, self.group,
+                                self.args.gradient_accumulation_steps, self.inputs, self.device)
         self.context_parallel = self._context_parallel()
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
@@ -209,9 +213,12 @@ class Trainer(CallbackHost):
                     with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
                         with self._forward_context():
                             loss = self._micro_batch_loss(batch, count)
+                            # what the optimizer sees: + coef · the router's loss (router.py);
+                            # the logged `loss` stays the language model's
+                            optimized = self.router.add_aux_loss(loss)
                         if args.pipelining_fwd_bwd:
                             accelerator.mark_step()  # run the forward graph while building backward
-                        loss.backward()
+                        optimized.backward()
                     accelerator.mark_step()
                     logged_loss += loss.detach()
                 self.strategy.reduce_gradients(self.model)  # fast_ddp: one flat all-reduce
@@ -392,8 +399,9 @@ class Trainer(CallbackHost):
     def _forward(self, batch, module=None, **loss_kwargs):
         """Call the model (or `module`) on a batch (Prepared.forward: a packed block's mask built,
         only the keys the forward takes), with `loss_kwargs` (num_items_in_batch)."""
-        return self._prepared.forward(self.wrapped if module is None else module, batch,
-                                      **loss_kwargs)
+        with self.router.recording(token_mask(batch)):  # a MoE's router logits, for its loss
+            return self._prepared.forward(self.wrapped if module is None else module, batch,
+                                          **self.router.forward_kwargs, **loss_kwargs)
 
     def _inference_module(self):
         """The module evaluate and predict call: captured graphs with use_graphs_for_inference."""
@@ -419,6 +427,7 @@ class Trainer(CallbackHost):
             "tokens_per_second": clock.interval_rate(),
             **self.accelerator.memory_stats(),
             **self.objective.metrics(self.group),  # the method's own: DPO's rewards, GRPO's ...
+            **self.router.metrics(self.group),  # aux_loss, router/max_load.layer0, ...
         }
         self._call("on_log", record)
         return record["loss"]
@@ -450,11 +459,12 @@ class Trainer(CallbackHost):
             raise InputError("evaluate() needs an eval_dataset")
         objective = self.objective
         dataset = objective.eval_dataset(dataset)  # DPO: pairs encoded, reference log-probs
-        with objective.evaluating():  # training's sums since the last log kept aside
+        with objective.evaluating(), self.router.evaluating():  # training's sums kept aside
             metrics = evaluation.evaluate(self._evaluator(), dataset)
             if not objective.has_perplexity:
                 metrics.pop("eval_perplexity", None)
-            return {**metrics, **objective.metrics(self.group, prefix="eval_")}
+            return {**metrics, **objective.metrics(self.group, prefix="eval_"),
+                    **self.router.metrics(self.group, prefix="eval_")}
 
     def predict(self, test_dataset) -> PredictionOutput:
         """Model outputs on `test_dataset` (this rank's share), with the loss when labels exist
@@ -472,7 +482,14 @@ class Trainer(CallbackHost):
             on_host=self._on_host, count_tokens=self.count_tokens,
             device_scalar=self._on_device_scalar, forward_context=self._forward_context,
             mark_step=self.accelerator.mark_step, on_device=self._model_on_device,
-            uncounted=self.objective.uncounted)
+            uncounted=self._uncounted)
+
+    @contextlib.contextmanager
+    def _uncounted(self):
+        """Around a batch a rank repeats only to keep in step: in no metric of the method's or
+        the router's."""
+        with self.objective.uncounted(), self.router.uncounted():
+            yield
 
     def _evaluate_during_training(self) -> None:
         metrics = self.evaluate()
@@ -506,7 +523,8 @@ class Trainer(CallbackHost):
                     args=self.args, accelerator=self.accelerator, precision=self.precision,
                     sharded=self.strategy.shards_state, inputs=self.inputs,
                     forward_context=self._forward_context, on_device=self._model_on_device,
-                    place_frozen=self._place_frozen, device_scalar=self._on_device_scalar)
+                    place_frozen=self._place_frozen, device_scalar=self._on_device_scalar,
+                    router=self.router)
 
     def _place_frozen(self, module: torch.nn.Module, like_trained: bool = False) -> torch.nn.Module:
         """A frozen module (a reference) on this rank's device, sharded like the policy under
