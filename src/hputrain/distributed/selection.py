@@ -8,7 +8,14 @@ from .strategies import DDP, FastDDP, Strategy
 
 
 def set_layout(settings: ParallelismSettings, group: ProcessGroup) -> None:
-    """Before the processes join: the mesh's dimensions the strategy needs (fsdp's shards)."""
+    """Before the processes join: the mesh's dimensions the strategy needs (fsdp's shards), and
+    the refusals of an expert-parallel layout."""
+    if settings.expert_parallel_size > 1:
+        from .expert_parallel import check_expert_parallel
+
+        check_expert_parallel(settings.expert_parallel_size, group.world_size,
+                              context_parallel_size=settings.context_parallel_size,
+                              strategy=settings.strategy)
     if settings.strategy == "fsdp" and group.distributed:
         from .fsdp import dp_shard_size
 
@@ -17,7 +24,17 @@ def set_layout(settings: ParallelismSettings, group: ProcessGroup) -> None:
 
 def select_strategy(settings: ParallelismSettings, group: ProcessGroup, accelerator=None, precision=None) -> Strategy:
     """strategy="auto": ddp across processes, single for one. fsdp needs an accelerator that
-    runs it in its execution mode (not lazy)."""
+    runs it in its execution mode (not lazy). expert_parallel_size > 1: the experts split over
+    ranks (expert_parallel.py), the strategy on the rest."""
+    strategy = _strategy(settings, group, accelerator, precision)
+    if settings.expert_parallel_size > 1:
+        from .expert_parallel import ExpertParallel
+
+        return ExpertParallel(strategy, group, settings.expert_parallel_size)
+    return strategy
+
+
+def _strategy(settings: ParallelismSettings, group: ProcessGroup, accelerator, precision) -> Strategy:
     name = settings.strategy
     if name == "fsdp":
         if accelerator is not None and not accelerator.supports_fsdp():

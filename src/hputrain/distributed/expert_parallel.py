@@ -1,0 +1,274 @@
+"""Expert parallelism: a mixture-of-experts model's experts split over `size` ranks of the
+data-parallel group (docs/moe.md).
+
+The layout (torchtitan's EP borrows its ranks from data parallelism the same way): the world's
+ranks form a (ep_replicate, ep) grid, row-major, so that an expert-parallel group is `size`
+consecutive ranks (one node, where they can be). Rank r of a group keeps experts
+[r·E/size, (r+1)·E/size) of every experts module; the ranks with the same place in every group
+(an ep_replicate group) hold the same experts. Tokens travel to the rank that owns their expert
+and back by all-to-all (execution/experts/parallel.py, the forward registered as EXPERT_PARALLEL
+in transformers' ExpertsInterface); everything else in the model is data-parallel as before.
+
+Gradients. Every rank's loss is its share of the global batch's mean times the world size, and
+the strategies average gradients over all ranks. The gradient an expert gets in backward already
+sums the tokens of every rank of its expert-parallel group (the all-to-all's backward brings them
+home), so it must not be averaged over that group again: it is summed over its ep_replicate group
+and divided by the world size, which is one process's gradient on the global batch. The global
+gradient norm adds the experts' squares over the expert-parallel group.
+
+Checkpoints: each experts parameter is seen by DCP as a DTensor of the whole (E, ...) shape,
+Shard(0) over the "ep" dimension (`global_views` / `local_values`), so that a checkpoint written
+with one expert-parallel size resumes with another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import InputError
+from .strategies import Strategy
+
+#: The name of the expert-parallel forward in transformers' ExpertsInterface
+#: (registered by execution/experts/parallel.py).
+EXPERT_PARALLEL = "hputrain_expert_parallel"
+#: The attribute under which an experts module carries its ExpertShard.
+SHARD_ATTRIBUTE = "hputrain_expert_shard"
+#: The config attributes that give a mixture-of-experts model's number of routed experts.
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(eq=False)
+class ExpertShard:
+    """One experts module's share on this rank, and the groups its tokens travel in."""
+
+    num_experts: int
+    """The model's routed experts (the router's choices)."""
+    size: int
+    """Ranks of the expert-parallel group."""
+    rank: int
+    """This rank's place in it: it holds experts [rank·local, (rank+1)·local)."""
+    group: object
+    """The expert-parallel process group (the device's backend): the all-to-all's."""
+    host_group: object
+    """The same ranks on Gloo: the token counts each rank sends (host integers, no device sync)."""
+    inner: str
+    """The experts implementation that computes this rank's experts (ExpertsInterface name)."""
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.size
+
+
+def expert_count(config) -> int | None:
+    """A model config's number of routed experts, None for a dense model (a multimodal config's
+    text part is looked at too)."""
+    for source in (config, getattr(config, "text_config", None)):
+        for name in _EXPERT_COUNTS:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def check_expert_parallel(size: int, world_size: int, *, config=None, model_name: str = "the model",
+                          context_parallel_size: int = 1, strategy: str = "auto") -> None:
+    """The one-line refusals of an expert-parallel layout, before any process starts or any weight
+    is read: `config` is the model's (None: not known yet)."""
+    if size == 1:
+        return
+    if context_parallel_size > 1:
+        raise InputError(f"expert_parallel_size={size} with context_parallel_size="
+                         f"{context_parallel_size} is not supported: the experts are split over "
+                         "data-parallel ranks; use one of the two")
+    if size > world_size or world_size % size:
+        raise InputError(f"expert_parallel_size={size} must divide the {world_size} process"
+                         f"{'es' if world_size != 1 else ''} of the run (devices × num_nodes)")
+    if strategy in ("single", "fast_ddp"):
+        raise InputError(f"expert_parallel_size={size} runs with strategy ddp or fsdp, not "
+                         f"{strategy!r}")
+    if config is None:
+        return
+    experts = expert_count(config)
+    if experts is None:
+        raise InputError(f"expert_parallel_size={size} splits a mixture-of-experts model's experts, "
+                         f"and {model_name} ({getattr(config, 'model_type', '?')}) has none: set "
+                         "expert_parallel_size=1")
+    if experts % size:
+        raise InputError(f"{model_name} has {experts} experts, which expert_parallel_size={size} "
+                         f"does not divide: choose a divisor of {experts}")
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules that go through transformers' ExpertsInterface (those it gives an
+    expert-parallel flag), by name."""
+    return [(name, module) for name, module in model.named_modules()
+            if hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)]
+
+
+def _unsupported_experts(model: nn.Module) -> str | None:
+    """The class of experts that hold 3-D expert weights but do not go through the interface
+    (Llama 4's), which the expert-parallel forward cannot replace."""
+    for module in model.modules():
+        if (isinstance(getattr(module, "num_experts", None), int) and not hasattr(module, "_is_expert_parallel")
+                and any(p.dim() == 3 for p in module.parameters(recurse=False))):
+            return type(module).__name__
+    return None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The expert-parallel groups of this rank (built once, by every rank, in the same order)."""
+
+    size: int
+    rank: int
+    """This rank's place in its expert-parallel group."""
+    group: object
+    host_group: object
+    replicate_group: object
+    """The ranks that hold the same experts (None when there is one group)."""
+    mesh: object
+    """The (ep_replicate, ep) DeviceMesh: the "ep" dimension is what checkpoints shard over."""
+
+    @classmethod
+    def build(cls, size: int, device_type: str) -> ExpertLayout:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("ep_replicate", "ep"))
+        host = None
+        for first in range(0, world, size):  # every rank makes every group, in the same order
+            made = dist.new_group(list(range(first, first + size)), backend=dist.Backend.GLOO)
+            if first <= rank < first + size:
+                host = made
+        replicate = mesh["ep_replicate"].get_group() if world > size else None
+        return cls(size, rank % size, mesh["ep"].get_group(), host, replicate, mesh)
+
+
+def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
+    """Keep this rank's experts in every experts module of `model` (each parameter whose first
+    dimension is the experts'), switch the modules to the expert-parallel forward, and return the
+    experts' parameters (kept out of the data-parallel reduction)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERT_PARALLEL not in ALL_EXPERTS_FUNCTIONS:
+        raise RuntimeError("the expert-parallel forward is not registered with transformers: call "
+                           "hputrain.execution.experts.parallel.register() (the recipes do)")
+    found = experts_modules(model)
+    if not found:
+        other = _unsupported_experts(model)
+        raise InputError(f"expert_parallel_size={layout.size}: "
+                         + (f"{other} do not go through transformers' ExpertsInterface, which "
+                            "expert parallelism replaces; set expert_parallel_size=1" if other else
+                            f"{type(model).__name__} has no experts to split; set expert_parallel_size=1"))
+    params, inners = [], {}
+    for name, module in found:
+        total = module.num_experts
+        if total % layout.size:
+            raise InputError(f"{name} has {total} experts, which expert_parallel_size={layout.size} "
+                             "does not divide")
+        local = total // layout.size
+        first = layout.rank * local
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] == total:
+                kept = nn.Parameter(param.detach()[first:first + local].clone(),
+                                    requires_grad=param.requires_grad)
+                setattr(module, leaf, kept)
+                params.append(kept)
+        config = module.config  # often shared by every layer: its implementation read once
+        inner = inners.setdefault(id(config), config._experts_implementation or "eager")
+        shard = ExpertShard(total, layout.size, layout.rank, layout.group, layout.host_group, inner)
+        setattr(module, SHARD_ATTRIBUTE, shard)
+        module.num_experts = local  # what the local implementation sees; ids >= local are empty
+        module._is_expert_parallel = True
+        config._experts_implementation = EXPERT_PARALLEL
+    return params
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """The state-dict names of the experts' split parameters."""
+    names = []
+    for name, module in experts_modules(model):
+        shard = getattr(module, SHARD_ATTRIBUTE, None)
+        if shard is None:
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            if param.dim() and param.shape[0] == shard.local_experts:
+                names.append(f"{name}.{leaf}" if name else leaf)
+    return names
+
+
+class ExpertParallel(Strategy):
+    """Another strategy (ddp, fsdp) on the rest of the model, the experts split over the
+    expert-parallel group (see the module docstring for their gradients)."""
+
+    def __init__(self, inner: Strategy, group, size: int) -> None:
+        self.inner, self.group, self.size = inner, group, size
+        self.name = inner.name
+        self.forward_is_collective = True  # every forward exchanges tokens with the group's ranks
+        self.shards_state = inner.shards_state
+        self.layout: ExpertLayout | None = None
+        self.expert_params: list[nn.Parameter] = []
+
+    def place(self, model, device):
+        return self.inner.place(model, device)
+
+    def wrap(self, model):
+        self.layout = ExpertLayout.build(self.size, self.group.mesh.device_type)
+        self.expert_params = split_experts(model, self.layout)
+        names = expert_parameter_names(model)
+        if self.inner.name == "ddp":  # DDP leaves these to reduce_gradients
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        return self.inner.wrap(model)
+
+    def place_frozen(self, model, device):
+        return self.inner.place_frozen(model, device)
+
+    def gradient_sync(self, module, sync):
+        return self.inner.gradient_sync(module, sync)
+
+    def reduce_gradients(self, model):
+        self.inner.reduce_gradients(model)
+        grads = [p.grad for p in self.expert_params if p.grad is not None]
+        if not grads:
+            return
+        world = dist.get_world_size()
+        for grad in grads:  # summed over the ranks that hold the same experts, over all ranks
+            if self.layout.replicate_group is not None:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.layout.replicate_group)
+            grad.div_(world)
+
+    def clip_grad_norm(self, accelerator, parameters, max_norm, fused=None):
+        """torch's clipping, with the global norm: the experts' squares summed over the
+        expert-parallel group, the rest as every rank holds it."""
+        parameters = [p for p in parameters if p.grad is not None]
+        experts = {id(p) for p in self.expert_params}
+        mine = [p.grad for p in parameters if id(p) in experts]
+        rest = [p.grad for p in parameters if id(p) not in experts]
+        device = _local(parameters[0].grad).device
+        squares = _squares(mine, device)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.layout.group)
+        total = (squares + _squares(rest, device)).sqrt()
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for grad in mine + rest:
+                _local(grad).mul_(coefficient.to(_local(grad).dtype))
+        return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of `grads` (a DTensor's over its whole mesh), in float32."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        total = total + norm * norm
+    return total
+

@@ -1,0 +1,121 @@
+"""Expert parallelism (issue 40 item 5, bad input item 9): the send buffers' layout, two processes
+splitting the experts training as one process with the doubled batch, and the one-line refusals."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from hputrain.distributed.expert_parallel import check_expert_parallel
+from hputrain.errors import InputError
+from hputrain.execution.experts.parallel import dispatch_slots
+
+from . import expert_parallel_script
+from .hf_fixtures import llama_folder, write_text_file  # noqa: F401
+from .moe_fixtures import mixtral_folder, moe_folders  # noqa: F401
+from .test_distributed import hputrain_launch
+
+SCRIPT = str(Path(__file__).parent / "expert_parallel_script.py")
+
+
+# -- the fixed send buffer -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("routing", ["random", "one expert", "one peer"])
+@pytest.mark.parametrize("experts,ranks,k", [(8, 2, 2), (8, 4, 2), (8, 8, 2), (4, 2, 3)])
+def test_send_buffer_rows_do_not_depend_on_the_routing(routing, experts, ranks, k):
+    """Every routing of T tokens gets the same buffer (ranks × T·min(k, E/ranks) rows); each pair
+    its own row, inside its owner's block, inside its token's min(k, E/ranks) rows."""
+    tokens, local = 5, experts // ranks
+    g = torch.Generator().manual_seed(0)
+    if routing == "random":
+        index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    elif routing == "one expert":  # every token's first choice the same expert
+        index = torch.stack([torch.cat([torch.tensor([3 % experts]),
+                                        torch.tensor([e for e in range(experts) if e != 3 % experts][:k - 1])])
+                             for _ in range(tokens)])
+    else:  # as many choices as fit on peer 0
+        index = torch.stack([torch.cat([torch.randperm(local, generator=g)[:min(k, local)],
+                                        local + torch.arange(k - min(k, local))]) for _ in range(tokens)])
+    slots, capacity = dispatch_slots(index, local, ranks)
+    assert capacity == tokens * min(k, local) and slots.shape == index.shape
+    assert slots.unique().numel() == tokens * k  # no two pairs share a row
+    peer = index // local
+    assert torch.equal(slots // capacity, peer)  # in the owner's block
+    within = slots % capacity
+    per_token = min(k, local)
+    assert torch.equal(within // per_token, torch.arange(tokens).unsqueeze(1).expand(tokens, k))
+
+
+# -- the one-line refusals (item 9) ----------------------------------------------------------------
+
+def test_layout_refusals_name_the_numbers():
+    config = type("Config", (), {"num_local_experts": 8, "model_type": "mixtral"})()
+    with pytest.raises(InputError, match=r"tiny-mixtral has 8 experts, which expert_parallel_size=3"):
+        check_expert_parallel(3, 3, config=config, model_name="tiny-mixtral")
+    with pytest.raises(InputError, match=r"expert_parallel_size=4 must divide the 2 processes"):
+        check_expert_parallel(4, 2, config=config)
+    with pytest.raises(InputError, match=r"expert_parallel_size=2 must divide the 3 processes"):
+        check_expert_parallel(2, 3, config=config)
+    with pytest.raises(InputError, match=r"context_parallel_size=2 is not supported"):
+        check_expert_parallel(2, 4, config=config, context_parallel_size=2)
+    dense = type("Config", (), {"model_type": "llama"})()
+    with pytest.raises(InputError, match=r"has none"):
+        check_expert_parallel(2, 2, config=dense, model_name="llama")
+    check_expert_parallel(2, 4, config=config)  # 8 experts over 2 of 4 ranks: fine
+
+
+def _train(cli_here, tmp_path, model, *argv):
+    data = write_text_file(tmp_path / "text.txt")
+    return cli_here("train", "--model", model, "--dataset", data, "--output-dir", tmp_path / "out",
+                    "--max-steps", "1", "--cpu", *argv)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--devices", "3", "--expert-parallel-size", "3"], ["has 8 experts", "expert_parallel_size=3"]),
+    (["--expert-parallel-size", "2"], ["expert_parallel_size=2", "1 process"]),
+    (["--devices", "4", "--expert-parallel-size", "2", "--context-parallel-size", "2"],
+     ["context_parallel_size=2"]),
+], ids=["experts not divisible", "larger than the world", "with context parallelism"])
+def test_bad_expert_parallel_layouts_are_one_line_exit_2(cli_here, tmp_path, mixtral_folder, argv, words):
+    status, _, err = _train(cli_here, tmp_path, mixtral_folder, *argv)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert all(word in err for word in words), err
+    assert not (tmp_path / "out").exists()  # refused before any process started
+
+
+def test_expert_parallel_on_a_dense_model_is_one_line_exit_2(cli_here, tmp_path, llama_folder):
+    status, _, err = _train(cli_here, tmp_path, llama_folder, "--devices", "2", "--expert-parallel-size", "2")
+    assert status == 2 and err.count("\n") == 1, err
+    assert "has none" in err and "expert_parallel_size=1" in err
+
+
+# -- two processes, the experts split, train as one ------------------------------------------------
+
+def _reference(tmp_path_factory, family):
+    out = tmp_path_factory.mktemp(f"{family}-one")
+    expert_parallel_script.main([str(out), "4", family])
+    return torch.load(out / "result.pt")
+
+
+def _launch(tmp_path, *argv):
+    proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "result.pt")
+
+
+def assert_same(expected, actual, tol=1e-5):
+    assert actual["losses"] == pytest.approx(expected["losses"], abs=tol)
+    assert len(actual["losses"]) == 3
+    for kind in ("grads", "weights"):
+        assert expected[kind].keys() == actual[kind].keys()
+        for name in expected[kind]:
+            torch.testing.assert_close(actual[kind][name], expected[kind][name], rtol=tol, atol=tol,
+                                       msg=lambda m, name=name: f"{kind} {name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_two_expert_parallel_ranks_train_as_one_process(tmp_path, tmp_path_factory, family):
+    """EP=2 over 2 Gloo processes of batch 2 (ddp on the rest): the losses, the first step's whole
+    gradients (clipped to a global norm) and the weights after 3 steps equal one process of batch
+    4 within 1e-5 in fp32; qwen2_moe adds its shared expert beside the split ones."""
+    assert_same(_reference(tmp_path_factory, family), _launch(tmp_path, "2", family, "--ep", "2"))
