@@ -51,6 +51,8 @@ def describe(result, name: str = "") -> str:
              f"{'s' if result.ranks > 1 else ''}){': ' + name if name else ''}",
              f"  peak {gib(result.peak_bytes)} of {result.target}'s {gib(result.target_bytes)}: "
              f"{verdict}"]
+    if getattr(result, "moe", None) is not None:
+        lines.insert(1, f"  {result.moe.describe()}")
     for category, value in result.breakdown.items():
         lines.append(f"    {category:<12} {gib(value):>14}")
     for suggestion in result.suggestions:

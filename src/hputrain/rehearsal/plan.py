@@ -53,6 +53,7 @@ from ..training.evaluation import loss_of
 from ..training.loss import IGNORE_INDEX
 from ..training.optim import create_optimizer
 from ..training.prepare import prepare_model
+from .plan_moe import MoELayout, grouped_mm_shapes, moe_layout
 from .plan_tracking import (CATEGORIES,  # noqa: F401 (the API)
                             StepPeak, Trace, breakdown, tracker)
 
@@ -101,14 +102,20 @@ class Plan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     """How the trace stood in for what it could not run here (the kernels, a compiled step)."""
+    moe: MoELayout | None = None
+    """A mixture of experts' layout (rehearsal/plan_moe.py): experts, active parameters, the
+    expert-parallel split and its all-to-all buffers; None for a dense model."""
 
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.target_bytes
 
     def as_json(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "target_bytes": self.target_bytes,
-                "fits": self.fits, "breakdown": self.breakdown, "suggestions": self.suggestions}
+        found = {"peak_bytes": self.peak_bytes, "target_bytes": self.target_bytes,
+                 "fits": self.fits, "breakdown": self.breakdown, "suggestions": self.suggestions}
+        if self.moe is not None:
+            found["moe"] = self.moe.as_json()
+        return found
 
 
 def packed_step(base: StepModel, examples: int = 4) -> StepModel:
@@ -152,7 +159,7 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
 
     traced = trace(step, args)
     result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks,
-                  notes=_notes(traced, args, target))
+                  notes=_notes(traced, args, target), moe=traced.moe)
     if not result.fits:
         changes = list(_changes(step, args, offload=not target_is_host(target)))
         # a trace is not started unless one as long as the plan's own would end in the budget
@@ -167,6 +174,7 @@ class StepTrace(Trace):
     """A traced step (plan_tracking.Trace) and the device kernels its model ran with."""
 
     kernels: dict[str, int] = field(default_factory=dict)
+    moe: MoELayout | None = None
 
 
 def trace_step(step: StepModel, args, accelerator, fake: bool = True,
@@ -181,7 +189,8 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         reference = _frozen(step.reference(step.lora) if step.reference else None, args,
                             accelerator, like_trained=step.grpo is not None)
     mode = _fake_mode() if fake else contextlib.nullcontext()
-    with _fake_group(ranks) if sharded else contextlib.nullcontext() as group, mode:
+    shapes = grouped_mm_shapes() if fake else contextlib.nullcontext()
+    with _fake_group(ranks) if sharded else contextlib.nullcontext() as group, mode, shapes:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
             for module in filter(None, (model, reference)):
                 module.to_empty(device="cpu")
@@ -197,12 +206,14 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
+        layout = moe_layout(model, args, _tokens(batch))
         backend = args.ddp_backend or backend
         counting = tracker(model, optimizer, sharded, inputs, backend=backend,
                            offloaded=args.fsdp_cpu_offload, frozen=reference)
         replicated = args.strategy in ("ddp", "fast_ddp") and ranks > 1
         copies = _BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
-        with counting:
+        unpacked = _unpacked_rows(batch) if fake else contextlib.nullcontext()
+        with counting, unpacked:
             with precision.forward_context():
                 loss = loss_fn(prepared.wrapped, batch)
             if replicated and reduces_in_a_copy(backend):
@@ -212,7 +223,8 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels)
+        traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels,
+                           moe=layout)
     if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         traced.breakdown["temporary"] += buckets
@@ -442,6 +454,35 @@ def _fake_group(ranks: int):
                                     distributed=True)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _unpacked_rows(batch):
+    """A batch of rows that are one sequence each (no attention mask, no examples packed), as
+    transformers finds it in the run: it reads the position ids to tell (a sequence restarting
+    inside a row is packed), and on fake tensors, which it cannot read, takes the rows as
+    packed and builds a full block mask (and, for sdpa with a mask, repeats the key/value heads)
+    that the run never holds: 10% of a tiny mixture of experts' peak."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    keys = batch.keys() if isinstance(batch, dict) else ()
+    if masking_utils is None or {"attention_mask", "seq_lens", "position_ids"} & set(keys):
+        yield
+        return
+    found = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
+
+
+def _tokens(batch) -> int:
+    """The tokens of a micro-batch (its input ids' elements)."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
 def _values(batch):

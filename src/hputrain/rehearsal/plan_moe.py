@@ -1,0 +1,195 @@
+"""What `hputrain plan` says of a mixture-of-experts model (rehearsal/plan.py traces its step like
+any other's), and what its trace needs to run one on fake tensors.
+
+The layout (`moe_layout`), read from the prepared model's experts modules (transformers' fused
+3-D experts: `gate_up_proj` or `up_proj`, and `down_proj`, of E experts each) and its config:
+
+- parameters: every expert is stored (and trained: its gradients and AdamW's moments are those
+  of all E), but a token runs through only its top-k: the active parameters per token are the
+  dense ones and k/E of the experts'.
+- activations: per MoE layer, the T*k (token, expert) pairs of a micro-batch of T tokens, each
+  with its (2I) gate-and-up intermediate (I the expert's intermediate size) and its (I) gated
+  one, kept for backward; the trace counts them as the experts implementation allocates them.
+- expert parallelism (--expert-parallel-size N): E/N experts a rank, and per MoE layer the
+  all-to-all's send and receive buffers, whose shapes do not depend on the routing: to each of
+  the N peers, T*min(k, E/N) rows of the hidden size (a token's k experts meet at most
+  min(k, E/N) of them on one peer).
+
+The trace itself: `torch._grouped_mm`'s shape function (its meta kernel) accepts only the
+bfloat16 inputs CUDA's kernel takes, where the CPU's kernel runs fp32 too (what transformers'
+"grouped_mm" experts call on the CPU); `grouped_mm_shapes` gives it the output the real kernel
+allocates, of any dtype, for the time of the trace.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class MoELayout:
+    layers: int
+    """MoE layers (layers whose MLP is a set of experts)."""
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    parameters: int
+    """All parameters of the model (every expert's)."""
+    expert_parameters: int
+    expert_parallel: int = 1
+    tokens: int = 0
+    """Tokens of a micro-batch on one rank (T)."""
+    element_bytes: int = 4
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token runs through: the dense ones and its top-k experts."""
+        return self.parameters - self.expert_parameters + (
+            self.expert_parameters * self.top_k // self.experts)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.experts // self.expert_parallel
+
+    @property
+    def rows_per_peer(self) -> int:
+        """Rows of the hidden size sent to (and received from) each peer, per MoE layer."""
+        return self.tokens * min(self.top_k, self.experts_per_rank)
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        """One MoE layer's send buffer (its receive buffer is as large), over all peers."""
+        if self.expert_parallel == 1:
+            return 0
+        return self.expert_parallel * self.rows_per_peer * self.hidden * self.element_bytes
+
+    def as_json(self) -> dict:
+        return {"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
+                "parameters": self.parameters, "expert_parameters": self.expert_parameters,
+                "active_parameters": self.active_parameters,
+                "expert_parallel_size": self.expert_parallel,
+                "experts_per_rank": self.experts_per_rank,
+                "all_to_all_rows_per_peer": self.rows_per_peer,
+                "all_to_all_send_bytes_per_layer": self.all_to_all_bytes,
+                "all_to_all_receive_bytes_per_layer": self.all_to_all_bytes}
+
+    def describe(self) -> str:
+        """One line for the plan's header."""
+        def millions(n: int) -> str:
+            return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,}"
+
+        line = (f"experts: {self.layers} MoE layer{'s' if self.layers > 1 else ''} of "
+                f"{self.experts} experts, top-{self.top_k}; {millions(self.parameters)} "
+                f"parameters stored ({millions(self.expert_parameters)} in experts), "
+                f"{millions(self.active_parameters)} active per token")
+        if self.expert_parallel > 1:
+            size = self.all_to_all_bytes
+            line += (f"; expert-parallel {self.expert_parallel}: {self.experts_per_rank} experts "
+                     f"a rank, all-to-all {self.rows_per_peer:,} rows of {self.hidden} to each "
+                     f"peer ({_size(size)} sent and {_size(size)} received a layer)")
+        return line
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's experts modules: transformers' fused 3-D experts (E experts of `down_proj`
+    each, with `gate_up_proj`, or `up_proj`, beside it)."""
+    found = []
+    for module in model.modules():
+        down = getattr(module, "down_proj", None)
+        up = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
+        if (isinstance(down, torch.nn.Parameter) and down.dim() == 3
+                and isinstance(up, torch.nn.Parameter) and up.dim() == 3):
+            found.append(module)
+    return found
+
+
+def moe_layout(model: torch.nn.Module, args, tokens: int) -> MoELayout | None:
+    """The MoE layout of `model` (None for a dense one) for a run of `args` on micro-batches of
+    `tokens` tokens per rank. Counted on the whole model, before any sharding."""
+    experts = experts_modules(model)
+    if not experts:
+        return None
+    first = experts[0]
+    count = first.down_proj.shape[0]
+    config = getattr(model, "config", None)
+    top_k = _config_value(config, "num_experts_per_tok", "moe_topk", "top_k") or 1
+    up = getattr(first, "gate_up_proj", None)
+    gated = up is not None
+    up = first.gate_up_proj if gated else first.up_proj
+    transposed = bool(getattr(first, "is_transposed", False))
+    width = up.shape[1] if transposed else up.shape[2]  # the hidden size
+    inner = up.shape[2] if transposed else up.shape[1]
+    return MoELayout(
+        layers=len(experts), experts=count, top_k=int(top_k), hidden=int(width),
+        intermediate=int(inner // 2 if gated else inner),
+        parameters=sum(p.numel() for p in _unique(model.parameters())),
+        expert_parameters=sum(p.numel() for m in experts for p in m.parameters(recurse=False)),
+        expert_parallel=max(1, int(getattr(args, "expert_parallel_size", 1) or 1)),
+        tokens=tokens, element_bytes=_element_bytes(args, up))
+
+
+def _config_value(config, *names):
+    for source in (config, getattr(config, "text_config", None)):
+        for name in names:
+            value = getattr(source, name, None) if source is not None else None
+            if value:
+                return value
+    return None
+
+
+def _element_bytes(args, weight) -> int:
+    """The bytes of one element of the tokens exchanged: the compute dtype's."""
+    precision = str(getattr(args, "precision", ""))
+    if precision.startswith(("bf16", "fp16")):
+        return 2
+    return weight.element_size()
+
+
+def _unique(params):
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+# -- torch._grouped_mm on fake tensors -------------------------------------------------------------
+
+class _GroupedMMShapes(TorchDispatchMode):
+    """`aten._grouped_mm` as the output its kernel allocates (any dtype; torch's meta kernel
+    takes only CUDA's bfloat16)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._grouped_mm.default:
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
+        return a.new_empty(grouped_mm_shape(a.shape, b.shape, offs), dtype=dtype)
+
+
+def grouped_mm_shape(a: torch.Size, b: torch.Size, offs) -> list[int]:
+    """The output shape of torch._grouped_mm(a, b, offs) (2-D or 3-D operands)."""
+    if len(a) == 2 and len(b) == 2:
+        return [offs.shape[0], a[0], b[1]]
+    if len(a) == 2:
+        return [a[0], b[-1]]
+    if len(b) == 2:
+        return [a[1], b[1]]
+    return [a[0], a[1], b[-1]]
+
+
+@contextlib.contextmanager
+def grouped_mm_shapes():
+    """For the time of a trace on fake tensors: torch._grouped_mm of any dtype."""
+    with _GroupedMMShapes():
+        yield

@@ -1,0 +1,69 @@
+"""Issue 40 item 5: `hputrain plan` on mixtures of experts. The references: the same training
+step measured in a real run of hputrain's Trainer (StepPeak on the real tensors), the parameters
+of the model transformers builds from the folder, and the expert-parallel forward's own buffer
+(execution/experts/parallel.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hputrain.cli import main
+
+from .hf_fixtures import on_cpu  # noqa: F401  (fixture)
+from .moe_fixtures import mixtral_folder, moe_folders  # noqa: F401  (fixtures)
+from .plan_step_script import measured, planned
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+
+def flags(folder, *more: str) -> list[str]:
+    return ["--model", str(folder), "--block-size", "128", "--per-device-train-batch-size", "4",
+            "--precision", "fp32", *more]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_the_plan_of_a_tiny_moe_is_within_10_percent_of_the_measured_step(family, mixtral_folder,
+                                                                          moe_folders):
+    """The router's loss asked for (Mixtral's folder), a transposed family with expert biases
+    (GPT-OSS): every expert's weights, gradients and AdamW moments, and the T·k pairs'
+    intermediates the experts keep for backward, as the run holds them."""
+    folder = mixtral_folder if family == "mixtral" else moe_folders(family)
+    plan, real = planned(flags(folder)), measured(flags(folder))
+    assert plan.peak_bytes == pytest.approx(real.peak_bytes, rel=0.10), (plan.breakdown, real.breakdown)
+    assert plan.breakdown["activations"] == pytest.approx(real.breakdown["activations"], rel=0.10)
+    # AdamW's two moments of every parameter, every expert's included
+    assert plan.breakdown["optimizer"] == pytest.approx(real.breakdown["optimizer"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_tiny_moe_in_bf16_with_checkpointing_is_within_10_percent(mixtral_folder):
+    more = flags(mixtral_folder, "--gradient-checkpointing")
+    more[more.index("fp32")] = "bf16-mixed"
+    plan, real = planned(more), measured(more)
+    assert plan.peak_bytes == pytest.approx(real.peak_bytes, rel=0.10), (plan.breakdown, real.breakdown)
+
+
+def test_the_plan_counts_every_expert_stored_and_top_k_of_them_active(moe_folders, capsys):
+    """Stored: every parameter of the model transformers builds. Active per token: the same
+    model with only k experts (its router k rows smaller) and the router's full E rows."""
+    folder = moe_folders("qwen3_moe")
+    assert main(["plan", "--json", *flags(folder)]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    experts, k = config.num_experts, config.num_experts_per_tok
+    assert moe["parameters"] == sum(p.numel() for p in model.parameters())
+    assert (moe["layers"], moe["experts"], moe["top_k"]) == (config.num_hidden_layers, experts, k)
+    config.num_experts = k
+    only_k = transformers.AutoModelForCausalLM.from_config(config)
+    router_rows = (experts - k) * config.hidden_size * config.num_hidden_layers
+    assert moe["active_parameters"] == sum(p.numel() for p in only_k.parameters()) + router_rows
+    assert moe["expert_parallel_size"] == 1 and moe["all_to_all_send_bytes_per_layer"] == 0
+
+
+def test_the_plan_names_the_experts_in_its_header(moe_folders, capsys):
+    assert main(["plan", *flags(moe_folders("mixtral"))]) == 0
+    out = capsys.readouterr().out
+    assert "experts: 2 MoE layers of 8 experts, top-2" in out and "active per token" in out
