@@ -149,7 +149,8 @@ def test_what_the_kernel_cannot_do_falls_back_counted():
 
 def test_describe_and_available():
     assert kernels.describe({}) == "none"
-    assert kernels.available(CPUAccelerator()) == {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None}
+    assert kernels.available(CPUAccelerator()) == {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None,
+                                                   "experts": "static"}
     assert kernels.available(HPUAccelerator())["attention"] == "fused_sdpa"
 
 

@@ -190,7 +190,7 @@ class Accelerator(ABC):
     # -- kernels for Hugging Face models (kernels.py) -------------------------------------------
     def fused_kernels(self) -> dict[str, str | None]:
         """The kernel that runs each substitution here, by name (None: the device has none)."""
-        return {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None}
+        return {"attention": "sdpa", "rms_norm": "rms_norm", "rotary": None, "experts": "static"}
 
     #: Whether an attention kernel with a recompute mode (Gaudi's FusedSDPA) uses it: True,
     #: False, or None for the device's default (TrainingArguments.attention_recompute).
@@ -220,6 +220,22 @@ class Accelerator(ABC):
         normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)
         return weight * normed.to(x.dtype)
 
+    def grouped_mm_kernel(self, x: torch.Tensor, weight: torch.Tensor):
+        """The device's grouped matrix product for these operands (one dtype), a function
+        `(x (S, in), weight (E, in, out), offsets (E,) int32) -> (S, out)` that multiplies each
+        expert's block of rows (ending at its offset) by its matrix, or None where the device has
+        none that takes them exactly with fixed shapes: execution/experts/grouped.py's fixed-shape
+        form runs then."""
+        return None
+
+    def fused_experts(self, hidden_states, top_k_index, top_k_weights, gate_up, down,
+                      activation: str) -> torch.Tensor | None:
+        """A whole experts layer in the device's fused MoE op, for inference (it has no backward):
+        `gate_up` (E, 2·intermediate, hidden) [gate; up], `down` (E, hidden, intermediate), both
+        as nn.Linear stores them, `activation` "silu" or "relu"; None where the device has no such
+        op (the experts then run the grouped products)."""
+        return None
+
     # -- randomness ----------------------------------------------------------------------------
     def rng_state(self) -> torch.Tensor | None:
         """This device's generator state (None where the device shares the CPU generator)."""
@@ -230,3 +246,12 @@ class Accelerator(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(execution_mode={self.execution_mode!r})"
+
+
+def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor):
+    """torch's grouped matrix product where this torch has one that takes the operands, else None:
+    under torch.compile in bf16 only (its meta function's rule in torch 2.9 to 2.13)."""
+    kernel = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if kernel is None or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
+        return None
+    return lambda x, weight, offsets: kernel(x, weight, offs=offsets)

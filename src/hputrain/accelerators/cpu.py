@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GB, Accelerator
+from .base import GB, Accelerator, torch_grouped_mm
 
 
 def _rss_bytes() -> tuple[int, int]:
@@ -315,6 +315,11 @@ class CPUAccelerator(Accelerator):
         from .cpu_lazy import clip_grad_norm
 
         return clip_grad_norm(list(parameters), max_norm)
+
+    def grouped_mm_kernel(self, x, weight):
+        # torch's CPU kernel: exact, and as fast as one matrix product over all the rows
+        # (measured, 8 experts, 8192 rows); the lazy backend has none
+        return None if self.lazy else torch_grouped_mm(x, weight)
 
     def rng_state(self) -> None:
         return None  # the CPU generator is saved by the checkpoint with the Python and numpy ones

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import GB, Accelerator
+from .base import GB, Accelerator, torch_grouped_mm
 
 MIB = 2**20
 MEMORY_BYTES = {"h100": 81559 * MIB, "h200": 143771 * MIB, "a100": 81920 * MIB}
@@ -98,9 +98,24 @@ class CUDAAccelerator(Accelerator):
         # (static shapes, no CPU sync) and runs the rest eagerly.
         return torch.compile(module, mode="reduce-overhead")
 
+    def grouped_mm_kernel(self, x, weight):
+        # torch's CUDA grouped GEMM: Ampere (8.0) and later, bf16, every operand and stride on
+        # 16 bytes (its CUTLASS kernel's rules in torch 2.9 to 2.13)
+        if (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)
+                or not (_aligned(x) and _aligned(weight))):
+            return None
+        return torch_grouped_mm(x, weight)
+
     def rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state()
 
     def set_rng_state(self, state) -> None:
         if state is not None:
             torch.cuda.set_rng_state(state)
+
+
+def _aligned(tensor: torch.Tensor, boundary: int = 16) -> bool:
+    """Whether the tensor's start and its strides other than 1 fall on `boundary` bytes."""
+    size = tensor.element_size()
+    return (tensor.data_ptr() % boundary == 0
+            and all(stride == 1 or stride * size % boundary == 0 for stride in tensor.stride()))

@@ -212,7 +212,7 @@ class HPUAccelerator(Accelerator):
 
     # -- kernels for Hugging Face models -------------------------------------------------------
     def fused_kernels(self) -> dict[str, str | None]:
-        return {"attention": "fused_sdpa", "rms_norm": "fused", "rotary": None}
+        return {"attention": "fused_sdpa", "rms_norm": "fused", "rotary": None, "experts": "static"}
 
     def scaled_dot_product_attention(self, q, k, v, mask=None, causal=False, scale=None, dropout=0.0):
         """FusedSDPA (hpex.kernels): its softmax in fp32 ("None" mode) unless the autocast op
@@ -233,6 +233,19 @@ class HPUAccelerator(Accelerator):
         dtypes); the result is in the weight's dtype, as transformers' `weight * x` promotes."""
         normalization = self._runtime("habana_frameworks.torch.hpex.normalization")
         return normalization.FusedRMSNorm.apply(x.to(weight.dtype), weight, eps)
+
+    def fused_experts(self, hidden_states, top_k_index, top_k_weights, gate_up, down, activation):
+        """torch.ops.hpu.mixture_of_experts, its fused-weights form: per expert [gate; up] (w12)
+        and down (w3) as nn.Linear stores them (permuted_weights=True), experts 0..E-1 here.
+        Inference only, as Optimum for Intel Gaudi uses it: the op has no backward, so training
+        runs the grouped products (the fixed-shape form) instead."""
+        self._runtime()  # registers the hpu ops
+        experts = gate_up.size(0)
+        return torch.ops.hpu.mixture_of_experts(
+            hidden_states=hidden_states, expert_routing_table=top_k_index.to(torch.int64),
+            router_weights=top_k_weights.to(hidden_states.dtype),
+            w12=[gate_up[e] for e in range(experts)], w3=[down[e] for e in range(experts)],
+            permuted_weights=True, activation=activation, experts_min=0, experts_max=experts - 1)
 
     # -- graphs and randomness -----------------------------------------------------------------
     def wrap_graph_inference(self, module):

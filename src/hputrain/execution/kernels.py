@@ -16,9 +16,14 @@ This module reaches the same kernels without touching those files:
   `(1 + weight)` norms fail that check and are left alone.
 - rotary embeddings: transformers 5.x applies them in each modeling file's apply_rotary_pos_emb,
   reachable only through the optional Hub `kernels` package; see docs/kernels.md.
+- experts (mixture of experts): a dropless experts function with static shapes registered with
+  transformers' `ExpertsInterface` (public since 5.0) as "hputrain" and selected in place of its
+  default "grouped_mm", and Llama 4's MoE blocks, which the interface does not reach, swapped for
+  modules holding the same Parameters (execution/experts/).
 
 The choice made here is transformers' default only: a model whose attention implementation is
-anything but "sdpa" (a user's explicit "eager", "flash_attention_2", ...) keeps it.
+anything but "sdpa" (a user's explicit "eager", "flash_attention_2", ...) keeps it, and one whose
+experts implementation is anything but "grouped_mm" keeps that.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from torch import nn
 
 from ..distributed import context_parallel
 from ..errors import InputError
+from .experts import use_static_experts
 
 ATTENTION = "hputrain"  # our name in transformers' AttentionInterface
 FALLBACK = "attention: fallback"  # the summary's count of calls sent to transformers' sdpa
@@ -65,26 +71,33 @@ def substitute(model: nn.Module, accelerator, fused_kernels) -> dict[str, int]:
         summary[f"attention: {offered['attention']}"] = count
     if offered["rms_norm"] and (count := _swap_rms_norms(model, shared)):
         summary[f"rms_norm: {offered['rms_norm']}"] = count
+    if offered.get("experts") and (count := use_static_experts(model, shared)):
+        summary[f"experts: {offered['experts']}"] = count
     return summary
 
 
 def available(accelerator, import_transformers: bool = True) -> dict[str, str | None]:
     """The kernels the device offers for Hugging Face models, by substitution (None: none), for
     `hputrain env`. Attention needs transformers' AttentionInterface (looked for only where
-    transformers is already imported, unless `import_transformers`)."""
+    transformers is already imported, unless `import_transformers`), the experts its
+    ExpertsInterface."""
     offered = dict(accelerator.fused_kernels())
     if not import_transformers and "transformers" not in sys.modules:
-        offered["attention"] = None
-        return offered
+        return offered | {"attention": None, "experts": None}
     try:
         from transformers import AttentionInterface  # noqa: F401
     except ImportError:
         offered["attention"] = None
+    try:
+        from transformers.integrations.moe import ExpertsInterface  # noqa: F401
+    except ImportError:
+        offered["experts"] = None
     return offered
 
 
 def describe(summary: dict[str, int]) -> str:
-    """One line for the run header: "attention: fused_sdpa ×16, rms_norm: fused ×33"."""
+    """One line for the run header: "attention: fused_sdpa ×16, rms_norm: fused ×33, experts:
+    static ×2"."""
     return ", ".join(f"{name} ×{count}" for name, count in summary.items()) or "none"
 
 

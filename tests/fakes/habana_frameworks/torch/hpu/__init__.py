@@ -1,7 +1,7 @@
 """Fake habana_frameworks.torch.hpu."""
 from habana_frameworks import fake
 
-from . import random  # noqa: F401
+from . import ops, random  # noqa: F401
 
 
 def is_available() -> bool:
