@@ -161,3 +161,22 @@ def test_a_grpo_run_plots_its_reward_not_its_near_zero_loss(tmp_path):
     assert series(records)["eval_reward"] == ([3], [0.35])
     plain = write_report(_write(tmp_path / "lm", _records()))  # a run without rewards: its loss
     assert "loss.png" in {p.name for p in plain} and "reward.png" not in {p.name for p in plain}
+
+
+def test_a_moe_run_plots_its_router_loss_and_load_per_layer(tmp_path):
+    """Issue 40: router.png beside the others, with aux_loss, eval_aux_loss and each layer's load
+    (layer 10 after layer 9); a run without a router gets none (test above)."""
+    router = lambda step, k: {"aux_loss": 2.0 - step / 100, **{  # noqa: E731
+        f"router/{name}.layer{layer}": k * (layer + 1) for layer in (0, 9, 10)
+        for name in ("max_load", "dead_experts")}}
+    records = [_train(10, 4.0, **router(10, 0.1)), _train(20, 3.0, **router(20, 0.2)),
+               {"step": 20, "eval_loss": 3.2, "eval_aux_loss": 1.9}]
+    data = series(records)
+    assert data["aux_loss"] == ([10, 20], [1.9, 1.8]) and data["eval_aux_loss"] == ([20], [1.9])
+    assert [n for n in data if n.startswith("router/max_load")] == [
+        "router/max_load.layer0", "router/max_load.layer9", "router/max_load.layer10"]
+    assert data["router/dead_experts.layer10"] == ([10, 20], [pytest.approx(1.1), pytest.approx(2.2)])
+    written = write_report(_write(tmp_path / "moe", records))
+    assert [p.name for p in written] == ["loss.png", "throughput.png", "memory.png", "router.png"]
+    assert (tmp_path / "moe" / "router.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "moe" / "router.png").stat().st_size > 20_000  # three panels drawn

@@ -1,6 +1,9 @@
 """`hputrain report RUN_DIR`: PNG plots of loss, throughput and memory from RUN_DIR/metrics.jsonl.
 A GRPO run's (its records have a reward) plots its reward instead of its loss, which is near 0 by
-construction (the advantages of a group sum to 0), so says nothing of what it learns.
+construction (the advantages of a group sum to 0), so says nothing of what it learns. A mixture
+of experts' run (training/router.py) also gets router.png: its router loss (aux_loss,
+eval_aux_loss) and, per MoE layer, the busiest expert's load over the mean (router/max_load.layerN)
+and the share of experts no token picked (router/dead_experts.layerN).
 
 matplotlib is imported only when a plot is drawn (it is the optional `hputrain[plot]` extra), and
 through `matplotlib.figure.Figure` rather than pyplot: a bare Figure renders with Agg, is never
@@ -28,7 +31,12 @@ _SERIES = {
     "memory_allocated_gb": ("train", "memory_allocated_gb"),
     "max_memory_allocated_gb": ("train", "max_memory_allocated_gb"),
     "total_memory_available_gb": ("train", "total_memory_available_gb"),
+    "aux_loss": ("train", "aux_loss"),
+    "eval_aux_loss": ("eval", "eval_aux_loss"),
 }
+
+ROUTER_PREFIX = "router/"
+"""Training series named by their key as it is (one per MoE layer: router/max_load.layer0, ...)."""
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -74,13 +82,21 @@ def series(records: list[dict]) -> dict[str, tuple[list, list]]:
         if kind in latest and isinstance(record.get("step"), int):
             latest[kind][record["step"]] = record
     out = {}
-    for name, (kind, key) in _SERIES.items():
+    router = sorted({key for record in latest["train"].values() for key in record
+                     if key.startswith(ROUTER_PREFIX)}, key=_layer_order)
+    for name, (kind, key) in [*_SERIES.items(), *((key, ("train", key)) for key in router)]:
         points = [(step, record[key]) for step, record in sorted(latest[kind].items())
                   if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)]
         if points:
             steps, values = zip(*points)
             out[name] = (list(steps), list(values))
     return out
+
+
+def _layer_order(key: str) -> tuple:
+    """router/max_load.layer10 after router/max_load.layer9."""
+    name, _, layer = key.rpartition(".layer")
+    return (name, int(layer)) if layer.isdigit() else (key, -1)
 
 
 def _figure(title: str, ylabel: str):
@@ -149,18 +165,51 @@ def _plot_memory(data: dict, title: str):
     return fig
 
 
+def _plot_router(data: dict, title: str):
+    """Three panels: the router loss, the busiest expert's load per layer, the dead experts' share."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 9), dpi=100, layout="constrained")
+    loss, load, dead = fig.subplots(3, 1, sharex=True)
+    loss.set_title(f"{title}: router")
+    for name, style in (("aux_loss", "-"), ("eval_aux_loss", "o-")):
+        if name in data:
+            loss.plot(*data[name], style, label=name.replace("_", " "), linewidth=1, markersize=4)
+    loss.set_ylabel("load-balancing loss")
+    for ax, metric, ylabel in ((load, "max_load", "busiest expert / mean"),
+                               (dead, "dead_experts", "experts with no token")):
+        for name in (n for n in data if n.startswith(f"{ROUTER_PREFIX}{metric}.")):
+            ax.plot(*data[name], label=name.rpartition(".")[2], linewidth=1)
+        ax.set_ylabel(ylabel)
+    load.axhline(1.0, linestyle="--", color="gray", linewidth=0.8)  # perfectly balanced
+    dead.set_ylim(-0.02, 1.02)
+    dead.set_xlabel("step")
+    dead.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (loss, load, dead):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", ncol=4)
+    return fig
+
+
+def _has_router(data: dict) -> bool:
+    return any(name.startswith(ROUTER_PREFIX) or name.endswith("aux_loss") for name in data)
+
+
 # File name -> (series that must have data for the plot to be drawn, drawing function).
 _PLOTS = (
     ("reward.png", ("reward", "eval_reward"), _plot_reward),
     ("loss.png", ("loss", "eval_loss"), _plot_loss),
     ("throughput.png", ("tokens_per_second",), _plot_throughput),
     ("memory.png", ("memory_allocated_gb", "max_memory_allocated_gb"), _plot_memory),
+    ("router.png", ("aux_loss", "eval_aux_loss"), _plot_router),
 )
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
-    """Write loss.png (reward.png for a run that logs a reward: GRPO), throughput.png and
-    memory.png into run_dir from its metrics.jsonl; a plot with no data is skipped. Returns the
+    """Write loss.png (reward.png for a run that logs a reward: GRPO), throughput.png,
+    memory.png and a mixture of experts' router.png into run_dir from its metrics.jsonl; a plot with no data is skipped. Returns the
     paths written."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -177,7 +226,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
     for filename, needs, draw in _PLOTS:
         if filename == "loss.png" and rewarded:
             continue  # GRPO's loss is near 0 by construction: its reward is what it learns
-        if any(name in data for name in needs):
+        if any(name in data for name in needs) or (filename == "router.png" and _has_router(data)):
             path = run_dir / filename
             draw(data, title).savefig(path)
             written.append(path)
