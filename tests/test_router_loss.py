@@ -164,6 +164,32 @@ def test_the_optimizer_sees_lm_plus_coef_times_aux(tmp_path, flag):
         assert not torch.allclose(lm_only[gate], theirs[gate], rtol=1e-3, atol=1e-6)
 
 
+def test_under_gradient_accumulation_each_micro_batch_has_its_own_router_loss(tmp_path):
+    """Batch 4 × 2 micro-batches: the LM loss is the mean over the step's tokens (loss.py), the
+    router's is transformers' on each micro-batch, averaged over the two."""
+    model, seen = tiny_model("mixtral"), []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        {k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "labels")}), with_kwargs=True)
+    data, grads = rows(), {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: grads.__setitem__(name, p.grad.detach().clone()))
+    Trainer(model, TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_steps=1, precision="fp32", report_to="none", disable_tqdm=True, save_steps=-1,
+        max_grad_norm=0.0), train_dataset=data).train()
+    hook.remove()
+    assert len(seen) == 2
+    reference, coef = tiny_model("mixtral").train(), 0.02
+    counts = [int((batch["labels"][:, 1:] != -100).sum()) for batch in seen]
+    for batch, count in zip(seen, counts):
+        out = reference(**batch, output_router_logits=True)
+        lm = out.loss - coef * out.aux_loss
+        (lm * count / sum(counts) + coef * out.aux_loss / 2).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 # -- through the command line: packed rows, metrics.jsonl, two processes ---------------------------
 
 def completion_rows(path: Path, n=48) -> Path:
@@ -200,6 +226,18 @@ def test_packed_training_logs_the_router_loss_and_load(tmp_path, mixtral_folder)
             assert 0.0 <= record[f"router/dead_experts.layer{layer}"] <= 1.0
     evaluation = next(r for r in logs if "eval_loss" in r)
     assert "eval_aux_loss" in evaluation and "aux_loss" not in evaluation
+
+
+@pytest.mark.slow
+def test_lazy_mode_trains_the_same_router_loss_and_compiles_nothing_new(tmp_path, mixtral_folder):  # noqa: F811
+    data = completion_rows(tmp_path / "rows.jsonl")
+    common = ["--max-steps", "4", "--per-device-train-batch-size", "2", "--validation-split-percentage", "0"]
+    eager = [r for r in train(tmp_path, "eager", mixtral_folder, data, *common) if "loss" in r]
+    lazy = train(tmp_path, "lazy", mixtral_folder, data, *common, "--execution-mode", "lazy")
+    assert lazy[-1]["graph_compiles_after_warmup"] == 0
+    for a, b in zip(eager, (r for r in lazy if "loss" in r)):
+        for key in ("loss", "aux_loss", "router/max_load.layer1"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
 
 
 @pytest.mark.slow

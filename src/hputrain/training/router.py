@@ -110,8 +110,8 @@ class NoRouter:
     def evaluating(self):
         return contextlib.nullcontext()
 
-    def uncounted(self):
-        return contextlib.nullcontext()
+    def uncounted(self, inner=None):
+        return inner if inner is not None else contextlib.nullcontext()
 
 
 def router_of(model: torch.nn.Module, coef_flag: float | None, group, accumulate: int,
@@ -164,6 +164,7 @@ class Router(NoRouter):
         self._train = self._sums()
         self._eval: dict | None = None  # while evaluating: the evaluation's sums
         self._counting = True
+        self._weight_tensor: torch.Tensor | None = None
 
     def _hook(self, index: int):
         def record(module, args, output):
@@ -218,7 +219,17 @@ class Router(NoRouter):
         if not pending:
             return loss
         aux = pending[0] if len(pending) == 1 else torch.stack(pending).mean()
-        return loss + aux * (self.coef * self.group.world_size / self.accumulate)
+        return loss + aux * self._weight
+
+    @property
+    def _weight(self) -> torch.Tensor:
+        """coef · ranks / micro-batches, a constant of the run copied over once as graph input
+        data (a Python float in the graph is a double in lazy mode, whose backward then meets
+        float32 gradients)."""
+        if self._weight_tensor is None:
+            value = self.coef * self.group.world_size / self.accumulate
+            self._weight_tensor = torch.tensor([value]).to(self.device).view(())
+        return self._weight_tensor
 
     def metrics(self, group, prefix: str = "") -> dict:
         """aux_loss (the mean micro-batch's, over the global batch) and the load of each layer
@@ -253,11 +264,13 @@ class Router(NoRouter):
             self._eval = None
 
     @contextlib.contextmanager
-    def uncounted(self):
-        """Around a batch a rank repeats only to keep in step with its peers."""
+    def uncounted(self, inner=None):
+        """Around a batch a rank repeats only to keep in step with its peers (and around `inner`,
+        the method's own context for it, when given)."""
         self._counting = False
         try:
-            yield
+            with inner if inner is not None else contextlib.nullcontext():
+                yield
         finally:
             self._counting = True
 

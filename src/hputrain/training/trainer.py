@@ -482,14 +482,7 @@ class Trainer(CallbackHost):
             on_host=self._on_host, count_tokens=self.count_tokens,
             device_scalar=self._on_device_scalar, forward_context=self._forward_context,
             mark_step=self.accelerator.mark_step, on_device=self._model_on_device,
-            uncounted=self._uncounted)
-
-    @contextlib.contextmanager
-    def _uncounted(self):
-        """Around a batch a rank repeats only to keep in step: in no metric of the method's or
-        the router's."""
-        with self.objective.uncounted(), self.router.uncounted():
-            yield
+            uncounted=lambda: self.router.uncounted(self.objective.uncounted()))
 
     def _evaluate_during_training(self) -> None:
         metrics = self.evaluate()
