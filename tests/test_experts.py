@@ -183,6 +183,33 @@ def test_the_run_header_names_the_static_experts():
     assert kernels.describe(summary).endswith("experts: static ×2")
 
 
+@pytest.mark.parametrize("family, kind", [("mixtral", "mixture of experts (8 experts, top-2)"),
+                                          ("deepseek_v3", "mixture of experts (8 experts, top-2)"),
+                                          ("llama4_text", "mixture of experts (8 experts, top-1)")])
+def test_the_model_kind_comes_from_the_config(family, kind):
+    from hputrain.models.kind import describe
+
+    assert describe(tiny_moe_config(family)) == kind
+    assert describe(transformers.LlamaConfig()) == "dense"
+
+
+@pytest.mark.slow
+def test_a_run_from_the_command_line_names_its_kind_and_experts(tmp_path, mixtral_folder, capsys,  # noqa: F811
+                                                               monkeypatch):
+    from hputrain.cli import main
+
+    from .hf_fixtures import write_text_file
+
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+    data = write_text_file(tmp_path / "data.txt", lines=40)
+    main(["train", "--model", str(mixtral_folder), "--dataset", str(data), "--output-dir",
+          str(tmp_path / "out"), "--precision", "32", "--block-size", "32", "--max-steps", "2",
+          "--per-device-train-batch-size", "2", "--save-steps", "-1", "--disable-tqdm"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("hputrain: MixtralForCausalLM, mixture of experts (8 experts, top-2), ")
+    assert header.endswith(", experts: static ×2"), header
+
+
 # -- the grouped product ----------------------------------------------------------------------------
 
 def per_expert_loop(x, weight, offsets):

@@ -23,7 +23,9 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 
 def model_line(trainer, model, options) -> str:
     """The header's first line: the model (its own class, not FSDP2's wrapper class), LoRA's
-    adapters, the parameters trained, the device, the compute dtype and the kernels."""
+    adapters, its kind (dense, or a mixture of experts), the parameters trained, the device, the
+    compute dtype and the kernels."""
+    from ..models.kind import describe as describe_kind
     from .finish import kernels_line
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -36,7 +38,8 @@ def model_line(trainer, model, options) -> str:
         if getattr(peft_config, "target_parameters", None):  # the experts' fused weights
             targets = ", ".join(filter(None, [targets, *sorted(peft_config.target_parameters)]))
         name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
-    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
+    kind = describe_kind(model.config) if hasattr(model, "config") else "dense"
+    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, {kind}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
