@@ -2,7 +2,7 @@
 (expert parallelism over the ranks) or in-process as the single-process reference.
 
     expert_parallel_script.py OUTPUT_DIR PER_DEVICE_BATCH FAMILY [--ep N] [--strategy S]
-        [--steps K] [--save-steps K] [--resume]
+        [--steps K] [--save-steps K] [--resume] [--final]
 
 Global rank 0 writes OUTPUT_DIR/result.pt: {"grads": the whole gradients the optimizer's first
 step applies, "weights": the whole weights after training, "losses": the logged losses}, each
@@ -58,6 +58,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--save-steps", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--final", action="store_true", help="save_model into OUTPUT_DIR/final")
     opts = p.parse_args(argv)
     import transformers
 
@@ -85,6 +86,8 @@ def main(argv=None):
     hook = register_optimizer_step_pre_hook(keep_first_grads)
     trainer.train(resume_from_checkpoint="latest" if opts.resume else None)
     hook.remove()
+    if opts.final:
+        trainer.save_model(os.path.join(opts.output_dir, "final"))
     grads = whole(model, trainer.strategy, first)
     weights = whole(model, trainer.strategy, dict(model.named_parameters()))
     if trainer.group.is_main:

@@ -119,3 +119,31 @@ def test_two_expert_parallel_ranks_train_as_one_process(tmp_path, tmp_path_facto
     gradients (clipped to a global norm) and the weights after 3 steps equal one process of batch
     4 within 1e-5 in fp32; qwen2_moe adds its shared expert beside the split ones."""
     assert_same(_reference(tmp_path_factory, family), _launch(tmp_path, "2", family, "--ep", "2"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_another_expert_parallel_size(tmp_path):
+    """Saved at step 2 of 4 with the experts split over 2 ranks (DCP, each rank its experts),
+    resumed with expert_parallel_size 1 (every rank every expert): the same run, to the bit, as
+    resumed with the size it was saved with (model and optimizer state resharded), and the
+    uninterrupted run's weights. final/ holds every expert (gathered from the ranks) and loads in
+    from_pretrained as the trained weights."""
+    import shutil
+
+    import transformers
+
+    _launch(tmp_path / "saved", "2", "mixtral", "--ep", "2", "--save-steps", "2", "--steps", "4", "--final")
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / "final")
+    trained = torch.load(tmp_path / "saved" / "result.pt")["weights"]
+    for name, value in final.named_parameters():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+    runs = {}
+    for size in ("2", "1"):
+        folder = Path(shutil.copytree(tmp_path / "saved", tmp_path / f"ep{size}"))
+        shutil.rmtree(folder / "checkpoint-4")
+        runs[size] = _launch(folder, "2", "mixtral", "--ep", size, "--resume", "--steps", "4")
+    assert runs["1"]["losses"] == pytest.approx(runs["2"]["losses"], abs=1e-6)
+    assert runs["2"]["weights"].keys() == trained.keys()
+    for name, value in runs["2"]["weights"].items():
+        torch.testing.assert_close(runs["1"]["weights"][name], value, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-5)

@@ -16,6 +16,22 @@ import torch
 
 EXTRA_SUFFIX = "_extra_state"  # the suffix torch gives layers' get_extra_state() in state_dict()
 
+STATE_VIEWS = "hputrain_state_views"
+"""The attribute under which a model whose parameters are this rank's part of larger tensors
+without being DTensors (expert parallelism's experts, distributed/expert_parallel.py) carries
+their views: `names` (state-dict names), `whole(tensor)` (a DTensor of the whole tensor over
+`tensor`'s storage) and `local(tensor)` (back). Checkpoints (DCP) save and reshard them as
+fsdp's shards, and the writers of whole weights gather them."""
+
+
+def whole_views(model: torch.nn.Module, state: dict) -> dict:
+    """`state` (by state-dict name) with the tensors the model's STATE_VIEWS name seen whole."""
+    views = getattr(model, STATE_VIEWS, None)
+    if views is None:
+        return state
+    return {name: views.whole(value.detach()) if name in views.names else value
+            for name, value in state.items()}
+
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module that owns the weights, under DDP (`.module`) and torch.compile (`._orig_mod`)."""
@@ -71,6 +87,17 @@ def gathered_state(model: torch.nn.Module, trainable_only: bool = False) -> dict
     time (every rank calls this; the others get an empty dict). A tied weight stays one tensor
     under both names (`each_once` keeps one). `trainable_only` keeps parameters that require
     grad (a PEFT model's adapter), so a frozen base is never gathered."""
+    if getattr(model, STATE_VIEWS, None) is not None:  # split experts: gathered onto the main rank
+        import torch.distributed as dist
+
+        main, state = dist.get_rank() == 0, {}
+        mine = {name: value for name, value in model.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.Tensor) and (value.requires_grad or not trainable_only)}
+        for name, value in whole_views(model, mine).items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if main:
+                state[name] = value.detach().cpu()
+        return state
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

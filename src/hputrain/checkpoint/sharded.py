@@ -30,7 +30,7 @@ from .checks import (check_param_group_kinds, has_frozen_parameters, load_failur
                      trainable_names)
 from .folder import CONFIG_FILE, MODEL_FILE, SHARDED_DIR, TRAINABLE_RECORD, CheckpointError
 from .full import write_trainable_files
-from .host import gathered_state
+from .host import STATE_VIEWS, gathered_state
 from .state import StateIO
 from .streamed import each_once_by_identity, write_safetensors
 
@@ -207,6 +207,7 @@ class ShardedState(StateIO):
         state = {_MODEL: _dcp_model_state(model)}
         if optimizer is not None:
             state[_OPTIMIZER] = get_optimizer_state_dict(model, optimizer)
+        state = _viewed(model, state, "whole")
         writer = dcp.FileSystemWriter(folder / SHARDED_DIR, single_file_per_rank=True, sync_files=True)
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, no_dist=not _distributed())
@@ -227,6 +228,7 @@ class ShardedState(StateIO):
         state = {_MODEL: _dcp_model_state(model)}
         if optimizer is not None:
             state[_OPTIMIZER] = get_optimizer_state_dict(model, optimizer)  # fills an empty state
+        state = _viewed(model, state, "whole")  # loaded in place, through the views
         try:
             check_fits(read_metadata(sharded), state[_MODEL])
             reader_class, planner_class = _storage_reader_classes()
@@ -238,6 +240,7 @@ class ShardedState(StateIO):
         except _dcp_errors() as exc:
             raise CheckpointError(f"Sharded checkpoint {sharded} cannot be loaded: "
                                   f"{_one_line(_failure_reason(exc))}.") from exc
+        state = _viewed(model, state, "local")
         # a frozen base is not in the checkpoint: it stays as the model was built
         options = StateDictOptions(strict=not has_frozen_parameters(model))
         set_model_state_dict(model, state[_MODEL], options=options)
@@ -264,6 +267,25 @@ def _dcp_model_state(model) -> dict:
     if has_frozen_parameters(model):
         state = {name: state[name] for name in trainable_names(model)}
     return state
+
+
+def _viewed(model, state: dict, way: str) -> dict:
+    """`state` ({model: ..., optimizer: ...} as DCP takes it) with the tensors of the parameters
+    the model's STATE_VIEWS name, and their optimizer state, seen `way` ("whole" or "local")."""
+    views = getattr(model, STATE_VIEWS, None)
+    if views is None:
+        return state
+    convert = getattr(views, way)
+    model_state = {name: convert(value) if name in views.names else value
+                   for name, value in state[_MODEL].items()}
+    out = {**state, _MODEL: model_state}
+    optimizer = state.get(_OPTIMIZER)
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):
+        per_param = {name: ({key: convert(value) if torch.is_tensor(value) and value.dim() else value
+                             for key, value in entry.items()} if name in views.names else entry)
+                     for name, entry in optimizer["state"].items()}
+        out[_OPTIMIZER] = {**optimizer, "state": per_param}
+    return out
 
 
 def _check_param_groups(loaded: dict, optimizer) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .host import whole_views
+
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
            torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
@@ -39,7 +41,7 @@ def each_once_by_identity(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         seen.add(id(value))
         entries[name] = value
-    return entries
+    return whole_views(model, entries)  # expert parallelism's split experts, whole
 
 
 def header(entries: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

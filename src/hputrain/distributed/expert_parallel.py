@@ -208,7 +208,7 @@ class ExpertParallel(Strategy):
         self.inner, self.group, self.size = inner, group, size
         self.name = inner.name
         self.forward_is_collective = True  # every forward exchanges tokens with the group's ranks
-        self.shards_state = inner.shards_state
+        self.shards_state = True  # each rank writes its experts (DCP), which reshards on load
         self.layout: ExpertLayout | None = None
         self.expert_params: list[nn.Parameter] = []
 
@@ -221,6 +221,8 @@ class ExpertParallel(Strategy):
         names = expert_parameter_names(model)
         if self.inner.name == "ddp":  # DDP leaves these to reduce_gradients
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        # checkpoint/sharded.py's STATE_VIEWS: DCP sees each split parameter whole
+        model.hputrain_state_views = ExpertViews(set(names), self.layout.mesh)
         return self.inner.wrap(model)
 
     def place_frozen(self, model, device):
@@ -256,6 +258,36 @@ class ExpertParallel(Strategy):
             for grad in mine + rest:
                 _local(grad).mul_(coefficient.to(_local(grad).dtype))
         return total
+
+
+@dataclass(frozen=True)
+class ExpertViews:
+    """The split experts' parameters (and their optimizer state) as the whole (E, ...) tensors,
+    Shard(0) over the "ep" dimension and the same on every ep_replicate rank: what a checkpoint
+    saves, so that it resumes on another expert-parallel size (checkpoint/sharded.py)."""
+
+    names: set
+    mesh: object
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if isinstance(tensor, DTensor):
+            return tensor
+        shape = (tensor.shape[0] * self.mesh["ep"].size(), *tensor.shape[1:])
+        return DTensor.from_local(tensor, self.mesh, [Replicate(), Shard(0)], run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
