@@ -13,9 +13,16 @@ pages a rank reads come once from the disk into the page cache, shared by the ra
 The loader is a *weight source*, an object the recipe attaches to a model built on the meta
 device (distributed/fsdp.py `set_weight_source`); the strategy calls its `fill(model)` once the
 model is sharded and has storage. Names: the model's parameter names as `from_pretrained` would
-load them (the folder's tensor names, a tied weight by either of its names); the name parts that
-wrappers insert (PEFT's `base_model.model.` and `base_layer.`, torch's checkpoint and compile
-wrappers) are ignored, so the same source fills the model once PEFT has wrapped it.
+load them (the folder's tensor names mapped by transformers' own conversion mapping, a tied
+weight by either of its names); the name parts that wrappers insert (PEFT's `base_model.model.`
+and `base_layer.`, torch's checkpoint and compile wrappers) are ignored, so the same source fills
+the model once PEFT has wrapped it.
+
+A parameter that transformers builds from several of the folder's tensors (a mixture of
+experts' fused `experts.gate_up_proj` from each expert's projections) is read part by part
+through that conversion (hf_conversion.py): a rank whose shard holds experts 0-3 reads those
+experts' tensors and no other. `read_experts` reads a given range of experts, for expert
+parallelism.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .hf_conversion import Node, folder_plan, whole_box
+from .host import STATE_VIEWS
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,6 +127,7 @@ class FolderWeights:
         from_pretrained(dtype=...) casts, and the persistent buffers the files hold (whole, as
         from_pretrained loads them over what the constructor computed); return the names filled."""
         filled = []
+        views = getattr(model, STATE_VIEWS, None)
         with torch.no_grad():
             for name, param in [*model.named_parameters(), *model.named_buffers()]:
                 node = self.node_of(name)
@@ -126,7 +135,7 @@ class FolderWeights:
                     continue
                 local = param.to_local() if hasattr(param, "to_local") else param
                 if local.numel():
-                    local.copy_(node.read(local_index(param), self.read))
+                    local.copy_(node.read(index_in_whole(param, node.shape, name, views), self.read))
                 filled.append(name)
         return filled
 
@@ -193,6 +202,25 @@ def _shapes(files: set[Path]) -> dict[str, tuple[int, ...]]:
         with safe_open(str(file), framework="pt") as handle:
             shapes |= {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     return shapes
+
+
+def index_in_whole(param: torch.Tensor, whole: tuple[int, ...], name: str, views=None) -> tuple[slice, ...]:
+    """The slices of the whole tensor (shape `whole`, as the folder makes it) that this rank
+    holds of `param`: its local shard (local_index), and for a parameter that holds only this
+    rank's experts (expert parallelism: the model's STATE_VIEWS name it), that shard placed
+    among the rank's experts, which its views place in the whole. A shard that does not place
+    within `whole` is an error, never a silent read of other rows."""
+    index = local_index(param)
+    part_of_whole = tuple(param.shape) != tuple(whole)
+    split = views is not None and name in views.names
+    if part_of_whole and split:
+        mine = local_index(views.whole(torch.empty(param.shape, dtype=param.dtype, device="meta")))
+        index = (slice(mine[0].start + index[0].start, mine[0].start + index[0].stop),) + index[1:]
+    if (part_of_whole and not split) or len(index) != len(whole) or any(
+            part.stop > size for part, size in zip(index, whole)):
+        raise RuntimeError(f"{name}: this rank's part {[(s.start, s.stop) for s in index]} does not "
+                           f"place within the folder's {list(whole)}")
+    return index
 
 
 def local_index(param: torch.Tensor) -> tuple[slice, ...]:

@@ -5,8 +5,11 @@ calls once FSDP2 has sharded it, and each rank reads its own rows of each tensor
 folder's safetensors files. The weights equal `from_pretrained(dtype=float32)`'s bit for bit.
 
 LoRA adapters, small, are drawn on the CPU as PEFT draws them for an eagerly loaded model (see
-`draw_adapters`). A folder whose tensors do not map onto the model's parameters one to one
-falls back to `from_pretrained` on every rank, with one line saying why. One process, and every
+`draw_adapters`). The folder's tensors map onto the parameters as from_pretrained maps them,
+transformers' weight conversion included (a mixture of experts stored one expert at a time
+fills its fused experts parameters, each rank reading its own experts). A folder whose tensors
+do not map onto the model's parameters falls back to `from_pretrained` on every rank, with one
+line saying why. One process, and every
 other strategy, loads as before (recipes/hf.py `_load_folder`). The reward recipe's sequence
 classifier loads the same way, its score head drawn when the folder is a causal LM's (`meta_model`'s
 new_heads).
