@@ -20,6 +20,7 @@ from hputrain.cli import main  # noqa: E402
 from hputrain.data.packing import block_causal_mask  # noqa: E402
 from hputrain.distributed.group import ProcessGroup  # noqa: E402
 from hputrain.training import router as routing  # noqa: E402
+from hputrain.training.objective import Objective  # noqa: E402
 
 LOSS_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 """The families whose model computes transformers' load_balancing_loss_func."""
@@ -129,7 +130,7 @@ def rows(n=8, width=12):
     return [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)]
 
 
-def trainer_gradients(model, tmp_path, **args) -> dict:
+def trainer_gradients(model, tmp_path, objective=None, **args) -> dict:
     """The gradients of the Trainer's one step (AdamW would blow numerical noise up to lr)."""
     data, grads = rows(), {}
     for name, param in model.named_parameters():
@@ -138,7 +139,7 @@ def trainer_gradients(model, tmp_path, **args) -> dict:
     Trainer(model, TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=len(data), max_steps=1,
         precision="fp32", report_to="none", disable_tqdm=True, save_steps=-1, logging_steps=1,
-        max_grad_norm=0.0, **args), train_dataset=data).train()
+        max_grad_norm=0.0, **args), train_dataset=data, objective=objective).train()
     return grads
 
 
@@ -162,6 +163,23 @@ def test_the_optimizer_sees_lm_plus_coef_times_aux(tmp_path, flag):
         lm_only = reference_gradients(tiny_model("mixtral"), with_aux=False)
         gate = next(n for n in theirs if ".gate." in n)
         assert not torch.allclose(lm_only[gate], theirs[gate], rtol=1e-3, atol=1e-6)
+
+
+class CallModel(Objective):
+    """A method whose loss calls the model through Loop.call_model, as DPO, GRPO and the reward
+    model do: the LM loss computed by the method itself."""
+
+    def compute_loss(self, module, batch):
+        logits = self.loop.call_model(module, batch["input_ids"], batch["attention_mask"]).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 batch["labels"][:, 1:].flatten())
+
+
+def test_a_method_calling_the_model_through_the_loop_trains_the_router_loss_too(tmp_path):
+    theirs = reference_gradients(tiny_model("mixtral"), with_aux=True)
+    ours = trainer_gradients(tiny_model("mixtral"), tmp_path, objective=CallModel())
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_under_gradient_accumulation_each_micro_batch_has_its_own_router_loss(tmp_path):
