@@ -69,6 +69,22 @@ def moved(before: dict, after: dict) -> set[str]:
     return {name for name, tensor in after.items() if not torch.equal(tensor, before[name])}
 
 
+def transformers_aux(model, sequences: list[list[int]]) -> float:
+    """transformers' load-balancing loss over the tokens of `sequences` together, each sequence
+    through the model alone (no padding): the number a batch of them must log, however padded."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers = None
+    with torch.no_grad():
+        for ids in sequences:
+            out = model.base_model(input_ids=torch.tensor([ids]), output_router_logits=True)
+            logits = [layer.reshape(-1, layer.shape[-1]) for layer in out.router_logits]
+            layers = logits if layers is None else [torch.cat(p) for p in zip(layers, logits)]
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return float(load_balancing_loss_func(tuple(layers), experts, config.num_experts_per_tok))
+
+
 # -- SFT on packed prompt + completion rows ---------------------------------------------------------
 
 def completion_rows() -> list[dict]:
@@ -132,7 +148,9 @@ def test_dpo_on_moe_first_step_is_the_direct_loss_and_every_part_trains(moe_fold
     expected = direct(causal(policy), causal(reference), pairs)
     assert logged[0]["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     assert logged[0]["rewards/margins"] == pytest.approx(expected["margin"], abs=1e-5)
-    assert logged[0]["aux_loss"] > 0
+    sequences = [pair["prompt_ids"] + pair[side] for pair in pairs
+                 for side in ("chosen_ids", "rejected_ids")]
+    assert logged[0]["aux_loss"] == pytest.approx(transformers_aux(causal(policy), sequences), abs=1e-5)
     before = causal(policy).state_dict()
     after = causal(tmp_path / "run" / "final").state_dict()
     changed = moved(before, after)
@@ -184,7 +202,7 @@ def reward_folder(causal_folder: Path, where: Path) -> Path:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_reward_model_on_moe_is_the_formula_on_unpadded_scores_and_trains(moe_folders, tmp_path,  # noqa: F811
                                                                              family):
-    folder = reward_folder(moe_folders(family), tmp_path / "reward")
+    folder = reward_folder(moe_folders(family, **ROUTER_LOSS), tmp_path / "reward")
     rows = [row | {"margin": MARGINS[i]} for i, row in enumerate(pair_rows())]
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1).eval()
@@ -200,6 +218,9 @@ def test_a_reward_model_on_moe_is_the_formula_on_unpadded_scores_and_trains(moe_
                    "--dataset", str(data), "--max-steps", "1", "--per-device-train-batch-size", "6",
                    "--learning-rate", "1e-3")
     assert logged[0]["loss"] == pytest.approx(expected.item(), abs=1e-5)  # the whole set, step 1
+    texts = [r["prompt"] + r[side] + "</s>" for r in rows for side in ("chosen", "rejected")]
+    sequences = [tokenizer(text)["input_ids"] for text in texts]
+    assert logged[0]["aux_loss"] == pytest.approx(transformers_aux(model, sequences), abs=1e-5)
     trained = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "final")
     changed = moved(model.state_dict(), trained.state_dict())
     assert "score.weight" in changed and any(".experts." in name for name in changed)

@@ -118,19 +118,24 @@ def router_of(model: torch.nn.Module, coef_flag: float | None, group, accumulate
               inputs: frozenset[str] | None, device: torch.device | None = None):
     """The model's Router, or NoRouter for a model without the load-balancing loss."""
     base = base_model(model)
-    module = inspect.getmodule(type(base))
+    # the model's own class: fully_shard makes it a subclass FSDP<Class> in torch's module
+    own = next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("torch.distributed"))
+    module = inspect.getmodule(own)
+    config = getattr(base, "config", None)
+    # a causal LM holds its counts; a sequence classifier (a reward model) has them in its config
+    experts = (getattr(base, "num_experts", None) or getattr(config, "num_local_experts", None)
+               or getattr(config, "num_experts", None))
+    top_k = getattr(base, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None)
     recorded = _recorded_router(base)
-    if (recorded is None or getattr(module, "load_balancing_loss_func", None) is None
-            or not hasattr(base, "num_experts_per_tok") or not hasattr(base, "num_experts")):
+    if recorded is None or getattr(module, "load_balancing_loss_func", None) is None or not (
+            experts and top_k):
         return NoRouter()
-    config = base.config
     if coef_flag is not None:
         coef = float(coef_flag)
     else:
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         coef = coef if getattr(config, "output_router_logits", False) else 0.0
-    return Router(model, recorded, int(base.num_experts), int(base.num_experts_per_tok), coef,
-                  group, accumulate, inputs, device)
+    return Router(model, recorded, int(experts), int(top_k), coef, group, accumulate, inputs, device)
 
 
 def _recorded_router(model: torch.nn.Module):
