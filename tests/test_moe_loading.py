@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from .moe_fixtures import tiny_moe_config
+from .moe_fixtures import moe_folders, tiny_moe_config  # noqa: F401
 from .test_distributed import ROOT, hputrain_launch
 from .test_sharded_loading import assert_bit_equal, launch, reference
 
@@ -113,6 +113,14 @@ def test_the_sharded_loader_gives_what_from_pretrained_gives(folders, name, caps
     """Experts apart (each family's names, an index over several files) or already fused: the
     meta model filled from the files equals from_pretrained bit for bit, with no fallback line."""
     assert_bit_equal(reference(folders[name]), filled_on_one_process(folders[name]))
+    assert "every rank loads the whole model" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "llama4_text"])
+def test_the_other_families_load_as_from_pretrained(moe_folders, family, capsys):
+    """Qwen2-MoE (experts apart, a shared expert), GPT-OSS and Llama 4 (experts fused on disk,
+    with biases and transposed weights): the same bit for bit."""
+    assert_bit_equal(reference(moe_folders(family)), filled_on_one_process(moe_folders(family)))
     assert "every rank loads the whole model" not in capsys.readouterr().out
 
 

@@ -26,6 +26,7 @@ parallelism.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -73,6 +74,8 @@ class FolderWeights:
     def __init__(self, files: dict[str, Path], nodes: dict[str, Node]) -> None:
         self.files = files  # tensor name -> file
         self.nodes = nodes  # parameter name (every name of a tied one) -> what the files make it of
+        self._handles: dict[Path, object] | None = None  # the files held open while `opened`
+        self._files = contextlib.ExitStack()
 
     @classmethod
     def match(cls, folder: Path, model: torch.nn.Module) -> FolderWeights | str:
@@ -128,7 +131,7 @@ class FolderWeights:
         from_pretrained loads them over what the constructor computed); return the names filled."""
         filled = []
         views = getattr(model, STATE_VIEWS, None)
-        with torch.no_grad():
+        with torch.no_grad(), self.opened():
             for name, param in [*model.named_parameters(), *model.named_buffers()]:
                 node = self.node_of(name)
                 if node is None:
@@ -146,7 +149,8 @@ class FolderWeights:
         node = self.node_of(name)
         if node is None:
             raise KeyError(f"{name} is not among the parameters the folder fills")
-        return node.read(tuple(index), self.read)
+        with self.opened():
+            return node.read(tuple(index), self.read)
 
     def read_experts(self, name: str, experts: range) -> torch.Tensor:
         """Experts `experts` (a range with step 1) of the fused experts parameter `name`
@@ -162,12 +166,33 @@ class FolderWeights:
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The part `index` of the folder's tensor `key`, in the file's dtype: only those bytes
-        are read from the memory-mapped file, which is closed again (its pages leave this process)."""
+        are read from the memory-mapped file (held open while `opened`, else opened for this
+        read and closed again)."""
+        with self.opened():
+            handle = self._handle(self.files[key])
+            return handle.get_slice(key)[index] if index else handle.get_tensor(key)
+
+    @contextlib.contextmanager
+    def opened(self):
+        """The files stay open for the block (outermost wins) and are closed after it, so their
+        pages leave this process: a fused experts parameter is read from hundreds of tensors,
+        and opening a file parses its whole header again (milliseconds, for each tensor)."""
+        if self._handles is not None:
+            yield
+            return
+        with contextlib.ExitStack() as self._files:
+            self._handles = {}
+            try:
+                yield
+            finally:
+                self._handles = None
+
+    def _handle(self, file: Path):
         from safetensors import safe_open
 
-        with safe_open(str(self.files[key]), framework="pt") as handle:
-            part = handle.get_slice(key)
-            return part[index] if index else handle.get_tensor(key)
+        if file not in self._handles:
+            self._handles[file] = self._files.enter_context(safe_open(str(file), framework="pt"))
+        return self._handles[file]
 
     def __deepcopy__(self, memo) -> FolderWeights:
         return self  # a copy of the model (DPO's reference) reads the same files
