@@ -152,10 +152,12 @@ def reference_gradients(model, with_aux: bool) -> dict:
     return {name: param.grad for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("flag", [None, 0.0], ids=["config-coef", "flag-off"])
-def test_the_optimizer_sees_lm_plus_coef_times_aux(tmp_path, flag):
+@pytest.mark.parametrize("flag, checkpointed", [(None, False), (0.0, False), (None, True)],
+                         ids=["config-coef", "flag-off", "activation-checkpointing"])
+def test_the_optimizer_sees_lm_plus_coef_times_aux(tmp_path, flag, checkpointed):
     theirs = reference_gradients(tiny_model("mixtral"), with_aux=flag is None)
-    ours = trainer_gradients(tiny_model("mixtral"), tmp_path, router_aux_loss_coef=flag)
+    ours = trainer_gradients(tiny_model("mixtral"), tmp_path, router_aux_loss_coef=flag,
+                             gradient_checkpointing=checkpointed)
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-7, msg=name)
