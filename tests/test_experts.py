@@ -13,9 +13,10 @@ import torch
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.execution import experts, kernels
 from hputrain.execution.experts.forward import ExpertWeights, combine, local_experts, route
-from hputrain.execution.experts.grouped import expert_of_rows, fixed_shape_grouped_mm, grouped_mm
+from hputrain.execution.experts.grouped import expert_of_rows, grouped_mm
 from hputrain.execution.experts.llama4 import StaticLlama4TextMoe
 
+from .conftest import requires_cuda
 from .moe_fixtures import FAMILIES, mixtral_folder, moe_folders, tiny_moe_config  # noqa: F401
 
 transformers = pytest.importorskip("transformers", reason="the experts need transformers")
@@ -59,7 +60,7 @@ def outputs_and_grads(forward, module, hidden, index, weights):
     module.zero_grad()
     hidden, weights = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
     out = forward(module, hidden, index, weights)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.device, out.dtype))
     grads = {name: p.grad.clone() for name, p in module.named_parameters()}
     return out.detach(), hidden.grad, weights.grad, grads
 
@@ -395,3 +396,26 @@ def test_transformers_moe_families_are_covered_or_named():
         print(f"  {model_type}: {reason}")
     new = [t for t, reason in uncovered.items() if reason.startswith("NEW")]
     assert not new, f"decoder MoE families outside the ExpertsInterface, not named in OWN_EXPERTS: {new}"
+
+
+# -- on an NVIDIA GPU: torch's grouped GEMM in bf16, the fixed-shape form in fp32 ------------------
+
+@requires_cuda
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_experts_equal_transformers_eager(family, dtype):
+    from hputrain.accelerators.cuda import CUDAAccelerator
+
+    accelerator = CUDAAccelerator()
+    device = accelerator.setup()
+    module = with_kernel(first_experts(build(family, dtype=dtype).to(device)), accelerator)
+    config = module.config
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(64, config.hidden_size, generator=g).to(device, dtype)
+    index = routing("experts without a token", 64, config.num_experts_per_tok, module.num_experts).to(device)
+    weights = torch.rand(64, config.num_experts_per_tok, generator=g).to(device, dtype)
+    kernel = accelerator.grouped_mm_kernel(hidden, module.gate_up_proj)
+    assert kernel is not None  # hidden 32 and intermediate 64 or 32: 16-byte strides
+    theirs = outputs_and_grads(eager, module, hidden, index, weights)
+    ours = outputs_and_grads(experts.experts_forward, module, hidden, index, weights)
+    assert_same(ours, theirs, 1e-5 if dtype == torch.float32 else 2e-2)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .base import GB, Accelerator, torch_grouped_mm
 
@@ -99,9 +100,11 @@ class CUDAAccelerator(Accelerator):
         return torch.compile(module, mode="reduce-overhead")
 
     def grouped_mm_kernel(self, x, weight):
-        # torch's CUDA grouped GEMM: Ampere (8.0) and later, bf16, every operand and stride on
-        # 16 bytes (its CUTLASS kernel's rules in torch 2.9 to 2.13)
-        if (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)
+        # torch's CUDA grouped GEMM: Ampere (8.0) and later, every operand and stride on 16 bytes;
+        # bf16, and fp32 and fp16 where F.grouped_mm exists (torch 2.10 and later: fp32 measured
+        # exact on an H200 with torch 2.11)
+        dtypes = (torch.bfloat16, torch.float16, torch.float32) if hasattr(F, "grouped_mm") else (torch.bfloat16,)
+        if (x.dtype not in dtypes or torch.cuda.get_device_capability(x.device) < (8, 0)
                 or not (_aligned(x) and _aligned(weight))):
             return None
         return torch_grouped_mm(x, weight)

@@ -77,17 +77,17 @@ class ExpertWeights:
     @classmethod
     def of(cls, module: torch.nn.Module) -> ExpertWeights:
         """The weights of a module decorated with transformers' `use_experts_implementation`."""
-        gated, biased = module.has_gate, module.has_bias
+        gated, biased, transposed, post_norm = _layout(module)
         up_name = "gate_up_proj" if gated else "up_proj"
 
         def as_in_out(weight):
-            return weight if module.is_transposed else weight.transpose(-2, -1)
+            return weight if transposed else weight.transpose(-2, -1)
 
         return cls(up=as_in_out(getattr(module, up_name)), down=as_in_out(module.down_proj),
                    activate=module._apply_gate if gated else module.act_fn,
                    up_bias=getattr(module, f"{up_name}_bias") if biased else None,
                    down_bias=module.down_proj_bias if biased else None,
-                   post_norm=module.post_expert_norm if module.has_post_expert_norm else None)
+                   post_norm=module.post_expert_norm if post_norm else None)
 
     @property
     def num_experts(self) -> int:
@@ -99,6 +99,13 @@ class ExpertWeights:
         return replace(self, up=self.up[part], down=self.down[part],
                        up_bias=None if self.up_bias is None else self.up_bias[part],
                        down_bias=None if self.down_bias is None else self.down_bias[part])
+
+
+def _layout(module) -> tuple[bool, bool, bool, bool]:
+    """has_gate, has_bias, is_transposed, has_post_expert_norm, with the defaults of
+    `use_experts_implementation` for the flags an older transformers does not set."""
+    return (getattr(module, "has_gate", True), getattr(module, "has_bias", False),
+            getattr(module, "is_transposed", False), getattr(module, "has_post_expert_norm", False))
 
 
 def local_experts(weights: ExpertWeights, x_sorted: torch.Tensor, offsets: torch.Tensor,
@@ -166,8 +173,9 @@ def _fused(module, accelerator, hidden_states, top_k_index, top_k_weights) -> to
     from transformers.integrations.moe import _default_apply_gate
 
     activation = _FUSED_ACTIVATIONS.get(type(getattr(module, "act_fn", None)).__name__)
-    plain = (activation is not None and module.has_gate and module.is_concatenated
-             and not module.has_bias and not module.has_post_expert_norm and not module.is_transposed
+    gated, biased, transposed, post_norm = _layout(module)
+    plain = (activation is not None and gated and getattr(module, "is_concatenated", True)
+             and not biased and not post_norm and not transposed
              and getattr(type(module)._apply_gate, "__wrapped__", type(module)._apply_gate) is _default_apply_gate)
     wants_grad = torch.is_grad_enabled() and (
         hidden_states.requires_grad or top_k_weights.requires_grad
