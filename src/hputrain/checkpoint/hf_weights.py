@@ -107,8 +107,9 @@ class FolderWeights:
             if node is None:
                 return f"{aliases[0]} is not among the files' tensors"
             if node.shape != tuple(params[ident].shape):
-                return (f"{'+'.join(node.keys()[:2])} has shape {list(node.shape)} in the files, "
-                        f"{list(params[ident].shape)} in the model")
+                keys = node.keys()
+                made = keys[0] if len(keys) == 1 else f"{aliases[0]} (from {keys[0]} and {len(keys) - 1} more)"
+                return f"{made} has shape {list(node.shape)} in the files, {list(params[ident].shape)} in the model"
             nodes.update(dict.fromkeys(aliases, node))
         for name, buffer in _persistent_buffers(model):  # DeepSeek-V3's e_score_correction_bias
             if name in plan and plan[name].shape == tuple(buffer.shape):
