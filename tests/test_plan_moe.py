@@ -67,3 +67,49 @@ def test_the_plan_names_the_experts_in_its_header(moe_folders, capsys):
     assert main(["plan", *flags(moe_folders("mixtral"))]) == 0
     out = capsys.readouterr().out
     assert "experts: 2 MoE layers of 8 experts, top-2" in out and "active per token" in out
+
+
+def test_expert_parallel_plans_e_over_n_experts_a_rank_and_the_forwards_own_buffers(moe_folders,
+                                                                                     capsys):
+    """--expert-parallel-size 2 on 2 ranks: 4 of the 8 experts a rank (their AdamW moments
+    half of one process's), and the all-to-all buffer of the expert-parallel forward
+    (execution/experts/parallel.py's dispatch_slots: its rows per peer, for this T and k)."""
+    import torch
+
+    from hputrain.execution.experts.parallel import dispatch_slots
+
+    folder = moe_folders("mixtral")
+    assert main(["plan", "--json", *flags(folder, "--devices", "2")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--json", *flags(folder, "--devices", "2", "--expert-parallel-size", "2")]) == 0
+    split = json.loads(capsys.readouterr().out)
+    moe = split["moe"]
+    assert (moe["expert_parallel_size"], moe["experts_per_rank"]) == (2, 4)
+    tokens, k, hidden = 4 * 128, moe["top_k"], 32
+    index = torch.stack([torch.randperm(8)[:k] for _ in range(tokens)])
+    _, capacity = dispatch_slots(index, 4, 2)
+    assert moe["all_to_all_rows_per_peer"] == capacity
+    assert moe["all_to_all_send_bytes_per_layer"] == 2 * capacity * hidden * 4
+    half = moe["expert_parameters"] // 2 * 8  # AdamW's two fp32 moments of the other rank's experts
+    assert split["breakdown"]["optimizer"] == pytest.approx(whole["breakdown"]["optimizer"] - half, rel=0.01)
+
+
+def test_an_expert_parallel_size_the_experts_refuse_is_one_line(moe_folders, capsys):
+    folder = moe_folders("mixtral")
+    assert main(["plan", *flags(folder, "--devices", "3", "--expert-parallel-size", "3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "8 experts, which expert_parallel_size=3 does not divide" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_expert_parallel_on_2_processes_is_within_10_percent_of_the_measured_step(strategy,
+                                                                                  mixtral_folder,
+                                                                                  tmp_path):
+    """The experts split over 2 Gloo ranks (fsdp or ddp on the rest): the send and receive
+    buffers, the received rows' intermediates and each rank's experts, as rank 0 holds them."""
+    from .test_plan_accuracy import check
+
+    planned_, measured_ = check(flags(mixtral_folder, "--expert-parallel-size", "2",
+                                      "--strategy", strategy), tmp_path)
+    assert planned_.breakdown["optimizer"] == pytest.approx(measured_["breakdown"]["optimizer"], rel=0.02)

@@ -53,7 +53,7 @@ from ..training.evaluation import loss_of
 from ..training.loss import IGNORE_INDEX
 from ..training.optim import create_optimizer
 from ..training.prepare import prepare_model
-from .plan_moe import MoELayout, grouped_mm_shapes, moe_layout
+from .plan_moe import MoELayout, expert_parallel_stand_ins, grouped_mm_shapes, moe_layout
 from .plan_tracking import (CATEGORIES,  # noqa: F401 (the API)
                             StepPeak, Trace, breakdown, tracker)
 
@@ -183,14 +183,20 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
     is the communication backend the planned run would use (what its collectives copy)."""
     ranks = args.devices * args.num_nodes
     sharded = args.strategy == "fsdp" and ranks > 1
+    expert_parallel = _expert_parallel_size(args) > 1
     torch.manual_seed(args.seed)
     with torch.device("meta") if fake else contextlib.nullcontext():
         model = step.build(step.lora)  # on the meta device: shapes only, nothing read
+        layout = moe_layout(model, args, tokens=0)  # the whole model's, before any split
+        if expert_parallel:
+            _check_expert_parallel(model, args, ranks)
         reference = _frozen(step.reference(step.lora) if step.reference else None, args,
                             accelerator, like_trained=step.grpo is not None)
     mode = _fake_mode() if fake else contextlib.nullcontext()
     shapes = grouped_mm_shapes() if fake else contextlib.nullcontext()
-    with _fake_group(ranks) if sharded else contextlib.nullcontext() as group, mode, shapes:
+    experts = expert_parallel_stand_ins() if expert_parallel else contextlib.nullcontext()
+    grouped = (sharded or expert_parallel) and ranks > 1
+    with _fake_group(ranks) if grouped else contextlib.nullcontext() as group, mode, shapes, experts:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
             for module in filter(None, (model, reference)):
                 module.to_empty(device="cpu")
@@ -206,11 +212,11 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
-        layout = moe_layout(model, args, _tokens(batch))
+        layout = layout and dataclasses.replace(layout, tokens=_tokens(batch))
         backend = args.ddp_backend or backend
         counting = tracker(model, optimizer, sharded, inputs, backend=backend,
                            offloaded=args.fsdp_cpu_offload, frozen=reference)
-        replicated = args.strategy in ("ddp", "fast_ddp") and ranks > 1
+        replicated = args.strategy in ("ddp", "fast_ddp", "auto") and ranks > 1  # auto: ddp
         copies = _BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
         unpacked = _unpacked_rows(batch) if fake else contextlib.nullcontext()
         with counting, unpacked:
@@ -226,7 +232,9 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels,
                            moe=layout)
     if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
-        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        split = {id(p) for p in getattr(strategy, "expert_params", ())}  # not DDP's: see ExpertParallel
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters()
+                      if p.requires_grad and id(p) not in split)
         traced.breakdown["temporary"] += buckets
         traced.peak_bytes += buckets
     for category, nbytes in (step.held(model, args, precision) if step.held else {}).items():
@@ -285,11 +293,18 @@ def _prepare(model, args, group, accelerator):
     settings = Sections.of(args)
     precision = select_precision(settings.precision, AcceleratorConfig(), accelerator)
     strategy = Strategy()  # ddp: one process's step (its gradient buckets are added after)
-    if group is not None:
+    if group is not None and args.strategy == "fsdp":
         from ..distributed.fsdp import FSDP
 
         strategy = FSDP(group, settings.parallelism, precision)
         strategy.device = torch.device("cpu")  # where the trace runs (nothing is placed: fake)
+    if group is not None and _expert_parallel_size(args) > 1:  # the experts split, as selected
+        from ..distributed.expert_parallel import ExpertParallel
+        from ..execution.experts.parallel import register
+
+        register()  # the expert-parallel forward, as the recipe makes it known
+
+        strategy = ExpertParallel(strategy, group, _expert_parallel_size(args))
     prepared = prepare_model(model, args, settings, accelerator=accelerator, precision=precision,
                              strategy=strategy, device=None, capture=False)
     model = prepared.model
@@ -477,6 +492,21 @@ def _unpacked_rows(batch):
         yield
     finally:
         masking_utils.find_packed_sequence_indices = found
+
+
+def _expert_parallel_size(args) -> int:
+    return int(getattr(args, "expert_parallel_size", 1) or 1)
+
+
+def _check_expert_parallel(model, args, ranks: int) -> None:
+    """The run's one-line refusals of its expert-parallel layout (the model's experts, the world)."""
+    from ..distributed.expert_parallel import check_expert_parallel
+
+    config = getattr(model, "config", None)
+    check_expert_parallel(_expert_parallel_size(args), ranks, config=config,
+                          model_name=getattr(config, "_name_or_path", "") or "the model",
+                          context_parallel_size=getattr(args, "context_parallel_size", 1),
+                          strategy=args.strategy)
 
 
 def _tokens(batch) -> int:

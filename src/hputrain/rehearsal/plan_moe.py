@@ -193,3 +193,39 @@ def grouped_mm_shapes():
     """For the time of a trace on fake tensors: torch._grouped_mm of any dtype."""
     with _GroupedMMShapes():
         yield
+
+
+# -- expert parallelism in a trace of one process --------------------------------------------------
+
+@contextlib.contextmanager
+def expert_parallel_stand_ins():
+    """For the time of a trace on the fake process group (rehearsal/plan.py): distributed/
+    expert_parallel.py's layout built by its own code on that group (its mesh made outside the
+    fake mode, which cannot read the mesh's rank tensor; its Gloo groups for the token counts made
+    on the fake backend, as no Gloo group can join a fake world), and execution/experts/
+    parallel.py's exchange of every rank's token count answered by the plan's assumption: every
+    rank's micro-batch as large as this one's. The all-to-all's buffers are then the forward's
+    own, allocated as in the run (the fake backend moves nothing)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..distributed import expert_parallel
+    from ..execution.experts import parallel
+
+    layout, counts, new_group = (expert_parallel.ExpertLayout.build, parallel._token_counts,
+                                 dist.new_group)
+
+    def build(cls, size: int, device_type: str):
+        with unset_fake_temporarily():
+            dist.new_group = lambda *args, backend=None, **kwargs: new_group(*args, **kwargs)
+            try:
+                return layout.__func__(cls, size, device_type)
+            finally:
+                dist.new_group = new_group
+
+    expert_parallel.ExpertLayout.build = classmethod(build)
+    parallel._token_counts = lambda tokens, group: [tokens] * dist.get_world_size(group)
+    try:
+        yield
+    finally:
+        expert_parallel.ExpertLayout.build, parallel._token_counts = layout, counts

@@ -201,7 +201,9 @@ class StepPeak(Callback):
     def on_step_begin(self, trainer) -> None:
         if trainer.global_step + 1 != self.step:
             return
-        sharded = trainer.strategy.shards_state and trainer.group.distributed
+        # fsdp's tracker where fsdp wraps the model (expert parallelism shards its checkpoints,
+        # not the model's other parameters)
+        sharded = trainer.strategy.name == "fsdp" and trainer.group.distributed
         frozen = getattr(getattr(trainer, "objective", None), "reference", None)  # DPO's
         self.tracker = tracker(trainer.model, trainer.optimizer, sharded, frozen=frozen)
         self.tracker.__enter__()
