@@ -5,9 +5,16 @@ the slow marker, every triple) of levels that a user can ask for runs together a
 A level "n/a" marks a factor that does not apply (packing for text and preference pairs: text is
 always packed into blocks and pairs are padded to length buckets; a reference outside DPO). The
 pairs refused by design are left out of the table and tested for their one line in
-test_combinations.py (REFUSED)."""
+test_combinations.py (REFUSED).
+
+Issue 40 made the model a factor: "dense" (the tiny Llama of every case before it) or "moe" (a
+tiny Mixtral that trains its router's load-balancing loss). The dense cases are chosen first,
+exactly as before, and the cases with the mixture of experts are added until every pair (triple)
+with it is covered too: a new level costs its own cases, not a new table. "dense" is left out of
+a case's name, so that the names of the dense cases stay those docs/reliability.md lists."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -26,7 +33,10 @@ FACTORS = {
     # issue 31: the data set read whole and cached, or a folder of shards read as a stream;
     # issue 39: a folder of shards read whole (its validation/ subfolder the validation split)
     "source": ("file", "folder", "stream"),
+    # issue 40: a mixture of experts (last, so that the dense cases are picked as before)
+    "model": ("dense", "moe"),
 }
+UNNAMED = {NA, "dense"}  # levels a case's name leaves out
 
 # Pairs refused by design (each is tested for its one-line error, exit 2): left out of the table.
 REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
@@ -41,13 +51,13 @@ REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
 ISSUE_CASES = (
     # item 1: LoRA SFT on conversations with the default packing exited 2
     dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
-         validation="noval", reference=NA, precision="fp32", source="file"),
+         validation="noval", reference=NA, precision="fp32", source="file", model="dense"),
     # item 2: full-weight DPO, precomputed reference, a validation split: a traceback at the end
     dict(method="dpo", adapters="full", packing=NA, processes="1proc", mode="eager",
-         validation="val", reference="ref_precomputed", precision="fp32", source="file"),
+         validation="val", reference="ref_precomputed", precision="fp32", source="file", model="dense"),
     # item 3: LoRA DPO on 2 processes, a validation split that leaves a rank without a batch: a hang
     dict(method="dpo", adapters="lora", packing=NA, processes="ddp2", mode="eager",
-         validation="val", reference="ref_adapters", precision="fp32", source="file"),
+         validation="val", reference="ref_adapters", precision="fp32", source="file", model="dense"),
 )
 
 
@@ -71,9 +81,9 @@ def allowed(case: dict) -> bool:
     return not any(pair <= levels for pair in REFUSED_PAIRS)
 
 
-def _tuples(case: dict, strength: int) -> set:
+def _tuples(case: dict, strength: int, factors=FACTORS) -> set:
     return {tuple((name, case[name]) for name in names)
-            for names in itertools.combinations(FACTORS, strength)}
+            for names in itertools.combinations(factors, strength)}
 
 
 def _cost(case: dict) -> int:
@@ -84,18 +94,39 @@ def _cost(case: dict) -> int:
 
 def covering_cases(strength: int = 2, required=ISSUE_CASES) -> list[dict]:
     """Cases (dicts factor -> level) in which every `strength`-tuple of levels that occurs in some
-    allowed case occurs at least once: the required cases, then greedily the allowed case that
-    covers the most tuples not yet covered (the cheaper on a tie). Deterministic."""
+    allowed case occurs at least once: the dense model's cases first (the table before issue 40),
+    then those the mixture of experts adds. Deterministic."""
+    table = _table(strength) if required is ISSUE_CASES else _cover(strength, tuple(required))
+    return [dict(case) for case in table]
+
+
+def _cover(strength: int, required: tuple) -> tuple:
     candidates = [dict(zip(FACTORS, levels)) for levels in itertools.product(*FACTORS.values())]
     candidates = [case for case in candidates if allowed(case)]
-    covers = [_tuples(case, strength) for case in candidates]
+    dense = _greedy([case for case in candidates if case["model"] == "dense"], strength, required,
+                    [name for name in FACTORS if name != "model"])
+    # the dense cases hold every tuple with "dense" (each tuple of the other factors is in them)
+    return tuple(_greedy([case for case in candidates if case["model"] != "dense"], strength,
+                         dense, list(FACTORS)))
+
+
+@functools.cache
+def _table(strength: int) -> tuple:
+    """The table of ISSUE_CASES and `strength`, made once (the test module asks for it thrice)."""
+    return _cover(strength, ISSUE_CASES)
+
+
+def _greedy(candidates: list[dict], strength: int, required, factors: list[str]) -> list[dict]:
+    """The required cases, then greedily the candidate that covers the most `strength`-tuples
+    (of `factors`) not yet covered, the cheaper on a tie, until every tuple of a candidate is."""
+    covers = [_tuples(case, strength, factors) for case in candidates]
     uncovered = set().union(*covers)
     chosen = []
     for case in required:
         if not allowed(case):
             raise ValueError(f"required case {case_id(case)} is not allowed")
         chosen.append(dict(case))
-        uncovered -= _tuples(case, strength)
+        uncovered -= _tuples(case, strength, factors)
     while uncovered:
         best = max(range(len(candidates)),
                    key=lambda i: (len(covers[i] & uncovered), -_cost(candidates[i])))
@@ -105,8 +136,8 @@ def covering_cases(strength: int = 2, required=ISSUE_CASES) -> list[dict]:
 
 
 def case_id(case: dict) -> str:
-    """The case's name: its levels in factor order, n/a left out."""
-    return "-".join(case[name] for name in FACTORS if case[name] != NA)
+    """The case's name: its levels in factor order, n/a and dense left out."""
+    return "-".join(case[name] for name in FACTORS if case[name] not in UNNAMED)
 
 
 @dataclass(frozen=True)
@@ -118,6 +149,14 @@ class Inputs:
     streams: dict  # (method, validation level) -> a folder of shards (with validation/ under "val")
     folders: dict  # (method, validation level) -> a folder of JSON Lines files read whole, likewise
     reward_funcs: str = ""  # GRPO's FILE.py:NAME
+    moe_model: str = ""  # issue 40: the model and the reference of the "moe" level
+    moe_ref_model: str = ""
+
+    def models(self, case: dict) -> tuple[str, str]:
+        """(--model, --ref-model) of a case."""
+        if case.get("model") == "moe":
+            return self.moe_model, self.moe_ref_model
+        return self.model, self.ref_model
 
 
 # Small enough for two steps in a few seconds, and a validation split of a few rows (3 pairs, 3
@@ -135,14 +174,17 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
         data = [inputs.folders[case["method"], case["validation"]]]
     else:
         data = [inputs.datasets[case["method"]]]
-    flags = ["--model", inputs.model, "--dataset", *data, *COMMON]
+    model, ref_model = inputs.models(case)
+    flags = ["--model", model, "--dataset", *data, *COMMON]
+    # the router's loss asked by its flag (the folder's config leaves output_router_logits off)
+    flags += ["--router-aux-loss-coef", "0.02"] if case["model"] == "moe" else []
     flags += ["--lora-r", "4"] if case["adapters"] == "lora" else []
     flags += ["--no-packing"] if case["packing"] == "unpacked" else []
     if case["processes"] != "1proc":
         flags += ["--devices", "2", "--strategy", case["processes"].removesuffix("2")]
     flags += ["--execution-mode", case["mode"]]
     flags += ["--validation-split-percentage", "8" if case["validation"] == "val" else "0"]
-    flags += {"ref_model": ["--ref-model", inputs.ref_model],
+    flags += {"ref_model": ["--ref-model", ref_model],
               "ref_precomputed": ["--precompute-ref-log-probs"]}.get(case["reference"], [])
     flags += ["--precision", "bf16-mixed" if case["precision"] == "bf16" else "fp32"]
     if case["method"] == "grpo":  # two completions of 8 tokens per prompt, rewarded by a function

@@ -28,6 +28,7 @@ import torch
 
 from . import combinations as combos
 from .hf_fixtures import tiny_llama_config, tiny_tokenizer
+from .moe_fixtures import tiny_moe_config
 
 transformers = pytest.importorskip("transformers", reason="the combinations fine-tune HF models")
 peft = pytest.importorskip("peft", reason="half the combinations train LoRA adapters")
@@ -57,6 +58,15 @@ def _save_llama(folder: Path, tokenizer, seed: int) -> str:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(tiny_llama_config(len(tokenizer), max_position_embeddings=256))
     model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _save_mixtral(folder: Path, tokenizer, seed: int) -> str:
+    """The "moe" level's model: a tiny Mixtral (8 experts, top-2) with the same tokenizer."""
+    torch.manual_seed(seed)
+    config = tiny_moe_config("mixtral", len(tokenizer), max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -127,7 +137,8 @@ def _record_folders(root: Path, datasets: dict) -> dict:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> combos.Inputs:
     """A tiny Llama whose tokenizer carries ChatML's markers and template, another of the same
-    shape with other weights (--ref-model), and the four data sets."""
+    shape with other weights (--ref-model), a tiny Mixtral and its reference alike, and the data
+    sets."""
     root = tmp_path_factory.mktemp("combinations")
     tokenizer = tiny_tokenizer()
     tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
@@ -135,7 +146,9 @@ def inputs(tmp_path_factory) -> combos.Inputs:
     return combos.Inputs(model=_save_llama(root / "model", tokenizer, seed=0),
                          ref_model=_save_llama(root / "reference", tokenizer, seed=1),
                          datasets=(datasets := _datasets(root)), streams=_shard_folders(root),
-                         folders=_record_folders(root, datasets), reward_funcs=_reward_file(root))
+                         folders=_record_folders(root, datasets), reward_funcs=_reward_file(root),
+                         moe_model=_save_mixtral(root / "moe", tokenizer, seed=0),
+                         moe_ref_model=_save_mixtral(root / "moe-reference", tokenizer, seed=1))
 
 
 def _reward_file(root: Path) -> str:
@@ -363,14 +376,16 @@ def pooled_run(results: dict, run: dict, pool_root: Path) -> Run:
 
 # -- what each case checks -------------------------------------------------------------------------
 
-def check_run(run: Run) -> list[dict]:
+def check_run(run: Run, case: dict | None = None) -> list[dict]:
     """Exit 0, steps 1 and 2 logged with finite losses (and a finite validation loss when
-    evaluated): the step records."""
+    evaluated), a mixture of experts' router loss beside them: the step records."""
     assert run.status == 0, run.why()
     steps = run.steps()
     assert [r["step"] for r in steps] == [1, 2], run.why()
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps), run.why()
     assert all(math.isfinite(r["eval_loss"]) for r in run.evals()), run.why()
+    if case is not None and case["model"] == "moe":  # asked by --router-aux-loss-coef
+        assert all(r["aux_loss"] > 0 for r in steps), run.why()
     return steps
 
 
@@ -386,7 +401,8 @@ def check_reference(case: dict, run: Run) -> None:
 def check_final(case: dict, inputs: combos.Inputs, run: Run) -> None:
     """final/ loads as what it is (a whole model, or adapters on the base) and gives finite logits."""
     final = run.out / "final"
-    model = transformers.AutoModelForCausalLM.from_pretrained(inputs.model if case["adapters"] == "lora"
+    base = inputs.models(case)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(base if case["adapters"] == "lora"
                                                               else final)
     if case["adapters"] == "lora":
         assert not (final / "model.safetensors").exists(), run.why()
@@ -438,7 +454,7 @@ def case_runs(case: dict, inputs: combos.Inputs, tmp_path: Path, request) -> tup
 
 def run_case(case: dict, inputs: combos.Inputs, tmp_path: Path, request) -> None:
     first, resumed = case_runs(case, inputs, tmp_path, request)
-    check_run(first)
+    check_run(first, case)
     check_reference(case, first)
     assert (first.out / "checkpoint-1").is_dir(), first.why()
     check_final(case, inputs, first)
