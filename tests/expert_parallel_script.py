@@ -78,7 +78,7 @@ def main(argv=None):
 
     def keep_first_grads(optimizer, *_):
         if not first:
-            first.update({names[id(param)]: param.grad for group in optimizer.param_groups
+            first.update({names[id(param)]: param.grad.detach().clone() for group in optimizer.param_groups
                           for param in group["params"] if param.grad is not None})
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook

@@ -96,8 +96,8 @@ def _reference(tmp_path_factory, family):
     return torch.load(out / "result.pt")
 
 
-def _launch(tmp_path, *argv):
-    proc, _ = hputrain_launch("--nproc-per-node", "2", SCRIPT, str(tmp_path), *argv)
+def _launch(tmp_path, *argv, nproc=2):
+    proc, _ = hputrain_launch("--nproc-per-node", str(nproc), SCRIPT, str(tmp_path), *argv, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp_path / "result.pt")
 
@@ -112,13 +112,29 @@ def assert_same(expected, actual, tol=1e-5):
                                        msg=lambda m, name=name: f"{kind} {name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def mixtral_one(tmp_path_factory):
+    return _reference(tmp_path_factory, "mixtral")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_two_expert_parallel_ranks_train_as_one_process(tmp_path, tmp_path_factory, family):
+def test_two_expert_parallel_ranks_train_as_one_process(tmp_path, tmp_path_factory, family, mixtral_one):
     """EP=2 over 2 Gloo processes of batch 2 (ddp on the rest): the losses, the first step's whole
     gradients (clipped to a global norm) and the weights after 3 steps equal one process of batch
     4 within 1e-5 in fp32; qwen2_moe adds its shared expert beside the split ones."""
-    assert_same(_reference(tmp_path_factory, family), _launch(tmp_path, "2", family, "--ep", "2"))
+    expected = mixtral_one if family == "mixtral" else _reference(tmp_path_factory, family)
+    assert_same(expected, _launch(tmp_path, "2", family, "--ep", "2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4], ids=["ep2", "ep2 x fsdp2"])
+def test_expert_parallelism_composes_with_fsdp(tmp_path, mixtral_one, nproc):
+    """fsdp on the rest of the model, each experts module an fsdp unit over the ranks holding the
+    same experts (none on 2 ranks; 2 on 4 ranks, which also gives each expert-parallel group its
+    replica): equal to one process with the global batch, as above."""
+    batch = str(4 // nproc)
+    assert_same(mixtral_one, _launch(tmp_path, batch, "mixtral", "--ep", "2", "--strategy", "fsdp", nproc=nproc))
 
 
 @pytest.mark.slow

@@ -221,9 +221,33 @@ class ExpertParallel(Strategy):
         names = expert_parameter_names(model)
         if self.inner.name == "ddp":  # DDP leaves these to reduce_gradients
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-        # checkpoint/sharded.py's STATE_VIEWS: DCP sees each split parameter whole
-        model.hputrain_state_views = ExpertViews(set(names), self.layout.mesh)
-        return self.inner.wrap(model)
+        sharded = self.inner.shards_state and self.group.distributed
+        if sharded:
+            self._shard_experts(model)
+        # checkpoint/host.py's STATE_VIEWS: DCP sees each split parameter whole
+        model.hputrain_state_views = ExpertViews(set(names), self.layout.mesh, sharded)
+        wrapped = self.inner.wrap(model)
+        # fsdp registers new (DTensor) Parameters in place of those split_experts made
+        self.expert_params = [model.get_parameter(name) for name in names]
+        return wrapped
+
+    def _shard_experts(self, model) -> None:
+        """fsdp: each experts module a unit of its own, sharded over the ranks that hold the same
+        experts (along dimension 1: dimension 0 is the experts' split), its gradients averaged
+        over them, then divided by the expert-parallel size in reduce_gradients (see the module
+        docstring; Gloo has no pre-multiplied sum for a divide factor). The blocks' units, made
+        next, leave its parameters to it (torchtitan's EP × FSDP layout)."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        from .fsdp import mixed_precision_policy
+
+        for _, module in experts_modules(model):
+            fully_shard(module, mesh=self.layout.mesh["ep_replicate"],
+                        reshard_after_forward=self.inner.reshard_after_forward,
+                        shard_placement_fn=lambda param: Shard(1),
+                        mp_policy=mixed_precision_policy(self.inner.compute_dtype))
+
 
     def place_frozen(self, model, device):
         return self.inner.place_frozen(model, device)
@@ -234,7 +258,9 @@ class ExpertParallel(Strategy):
     def reduce_gradients(self, model):
         self.inner.reduce_gradients(model)
         grads = [p.grad for p in self.expert_params if p.grad is not None]
-        if not grads:
+        if self.inner.shards_state:  # fsdp averaged them over the replicas (_shard_experts)
+            for grad in grads:
+                _local(grad).div_(self.size)
             return
         world = dist.get_world_size()
         for grad in grads:  # summed over the ranks that hold the same experts, over all ranks
@@ -268,18 +294,32 @@ class ExpertViews:
 
     names: set
     mesh: object
+    """The (ep_replicate, ep) mesh."""
+    sharded: bool = False
+    """Whether fsdp shards the parameters over ep_replicate (DTensors there), else plain."""
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole tensor, as a DTensor over the mesh (no copy)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        if isinstance(tensor, DTensor):
+        if isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 2:
             return tensor
+        over_replicas = tensor.placements[0] if isinstance(tensor, DTensor) else Replicate()
         shape = (tensor.shape[0] * self.mesh["ep"].size(), *tensor.shape[1:])
-        return DTensor.from_local(tensor, self.mesh, [Replicate(), Shard(0)], run_check=False,
+        return DTensor.from_local(_local(tensor), self.mesh, [over_replicas, Shard(0)], run_check=False,
                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        """Back to what the model holds: fsdp's DTensor over ep_replicate, or a plain tensor."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(tensor, DTensor) or tensor.device_mesh.ndim != 2:
+            return tensor
+        if not self.sharded:
+            return tensor.to_local()
+        shape = (tensor.shape[0] // self.mesh["ep"].size(), *tensor.shape[1:])
+        return DTensor.from_local(tensor.to_local(), self.mesh["ep_replicate"], [tensor.placements[0]],
+                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
