@@ -139,11 +139,17 @@ def test_final_loads_in_peft_and_merges_with_the_same_logits(moe_folders, tmp_pa
 def test_lora_on_the_experts_is_the_same_under_every_experts_implementation(moe_folders, family):  # noqa: F811
     """The adapters reach the experts through the parameter (PEFT's parametrization), so any
     experts implementation that reads the weights sees them: eager is the reference."""
+    from hputrain.accelerators.cpu import CPUAccelerator
+    from hputrain.execution.kernels import substitute
+
     folder = moe_folders(family)
     results = {}
-    for implementation in _implementations(load(folder)):
-        model = shaken(add_lora(load(folder, experts_implementation=implementation),
+    for implementation in dict.fromkeys([*_implementations(load(folder)), "hputrain"]):
+        asked = {} if implementation == "hputrain" else {"experts_implementation": implementation}
+        model = shaken(add_lora(load(folder, **asked),
                                 options(lora_target_modules=["q_proj", "experts"])))
+        if implementation == "hputrain":  # the static-shape experts, as a run substitutes them
+            assert "experts: static" in " ".join(substitute(model, CPUAccelerator(), True))
         loss = model(input_ids=IDS, labels=IDS).loss
         loss.backward()
         grads = {name: param.grad.clone() for name, param in model.named_parameters()
