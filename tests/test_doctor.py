@@ -350,6 +350,8 @@ PROBES = {
     "lerp.Scalar": lambda x, m: x.lerp(x * 2, 0.5),
     "amax": lambda x, m: x.amax(dim=-1),
     "amin": lambda x, m: x.amin(dim=-1),
+    "scatter.src": lambda x, m: torch.zeros_like(x).scatter(1, m.long(), x),
+    "scatter.value": lambda x, m: torch.zeros_like(x).scatter(1, m.long(), 1.0),
     "all.dim": lambda x, m: m.all(dim=-1),
     "isneginf": lambda x, m: x.isneginf(),
     # only torch's own C++ reaches where's out= form: the softmax of its math attention, which

@@ -6,7 +6,15 @@ as eager fallbacks in every script, or break it; this module routes around each 
 simple, so that what `hputrain doctor` reports is the user's, not the backend's:
 
 - unbind, split and chunk hand back tensors the backend has lost track of (the next op sees a
-  plain CPU tensor); select and narrow give the same views and work.
+  plain CPU tensor); select and narrow give the same views and work. `torch.where(condition)`
+  and `nonzero(as_tuple=True)` unbind nonzero's result: they select its columns instead (nonzero
+  itself still falls back, as on Gaudi: its shape depends on the data).
+- histc has no integer kernel on the CPU (transformers' grouped_mm experts count the tokens per
+  expert with it, in int32 off the CPU): an integer input is counted as floats (exact below 2**24).
+- grouped_mm (torch._grouped_mm, F.grouped_mm) has neither a lazy kernel nor an eager fallback
+  (it fails on the lazy tensors' missing storage): a 2-D input by 3-D groups of weights is done as
+  transformers' fallback does it where the kernel is missing, the offsets read back to the host and
+  one matmul per group of the sizes they give.
 - scaled_dot_product_attention has no kernel; composed of matmul, mask and softmax it stays in
   the graph (the mask inverted by `eq`, since logical_not falls back), a query with nothing to
   attend to giving zeros as torch's kernels do (not softmax's NaN).
@@ -47,6 +55,10 @@ BACKEND_FALLBACKS = {
     "lerp.Scalar": "lerp has no lazy kernel: torch.optim.Adam and AdamW call it every step",
     "amax": "amax has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
     "amin": "amin has no lazy kernel: GRPO's clip_ratio/low_min and high_max take it",
+    "scatter.src": "scatter of a tensor of values has no lazy kernel: topk's backward, and so every "
+                   "mixture-of-experts router's, takes it",
+    "scatter.value": "scatter of one value has no lazy kernel: one_hot, and DeepSeek-V3's router's group "
+                     "mask, take it",
     # torch's math attention (what nn.MultiheadAttention, and so nn.TransformerEncoderLayer, runs
     # off CUDA) zeroes the rows that attend to nothing in _safe_softmax, with these three
     "all.dim": "`tensor.all(dim)` has no lazy kernel: nn.MultiheadAttention's softmax takes it",
@@ -111,6 +123,43 @@ def _chunk(tensor, chunks, dim=0):
     return _split(tensor, -(-tensor.size(dim) // chunks), dim)
 
 
+def _where(condition, *values, **kwargs):
+    """`torch.where(condition)` as nonzero's columns, selected; with values, torch.where."""
+    if values or kwargs or condition.device.type != "lazy":
+        return torch.where(condition, *values, **kwargs)
+    found = torch.nonzero(condition)
+    return tuple(found.select(1, i) for i in range(found.size(1)))
+
+
+def _nonzero(tensor, *, as_tuple=False, **kwargs):
+    return _where(tensor) if as_tuple and not kwargs else torch.nonzero(tensor, as_tuple=as_tuple, **kwargs)
+
+
+def _histc(tensor, *args, **kwargs):
+    if tensor.device.type != "lazy" or tensor.is_floating_point() or "out" in kwargs:
+        return torch.histc(tensor, *args, **kwargs)
+    return torch.histc(tensor.float(), *args, **kwargs).to(tensor.dtype)
+
+
+def _grouped_mm(func):
+    """`func` (a grouped matmul) whose (S, K) input by (G, K, N) weights on the lazy device is one
+    matmul per group, of the rows `offs` gives each (read back: the shapes follow the data)."""
+    def grouped(mat_a, mat_b, *args, offs=None, bias=None, out_dtype=None):
+        if (mat_a.device.type != "lazy" or args or offs is None or bias is not None
+                or mat_a.dim() != 2 or mat_b.dim() != 3):
+            return func(mat_a, mat_b, *args, offs=offs, bias=bias, out_dtype=out_dtype)
+        pieces, start = [], 0
+        for group, end in enumerate(offs.tolist()):
+            if end > start:
+                pieces.append(mat_a.narrow(0, start, end - start) @ mat_b.select(0, group))
+            start = end
+        if start < mat_a.size(0) or not pieces:  # rows past the last offset: zeros (the kernel's unset)
+            pieces.append(mat_a.new_zeros(mat_a.size(0) - start, mat_b.size(-1)))
+        out = torch.cat(pieces)
+        return out if out_dtype is None else out.to(out_dtype)
+    return grouped
+
+
 def _composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False):
     if enable_gqa and k.size(-3) != q.size(-3):
@@ -172,6 +221,9 @@ _REPLACEMENTS = {
     torch.unbind: _unbind, torch.Tensor.unbind: _unbind,
     torch.split: _split, torch.Tensor.split: _split,
     torch.chunk: _chunk, torch.Tensor.chunk: _chunk,
+    torch.where: _where, torch.nonzero: _nonzero, torch.Tensor.nonzero: _nonzero,
+    torch.histc: _histc, torch.Tensor.histc: _histc,
+    **{f: _grouped_mm(f) for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f},
     F.scaled_dot_product_attention: _composed_attention,
     torch.Tensor.__getitem__: _getitem,
 }

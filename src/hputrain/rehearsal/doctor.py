@@ -42,6 +42,7 @@ from ..accelerators.cpu_lazy import HostReads, lazy_counters
 from ..callbacks import Callback, added_to_every_trainer
 from ..data.batching import LoaderOptions, PadToBuckets, default_collate
 from ..errors import InputError
+from .doctor_experts import ExpertsWatch
 from .doctor_grpo import is_rollouts, keep_completions_in, walk_rollouts
 from .doctor_loop import LoopRehearsal
 from .doctor_hf import HFRehearsal, optimum_missing
@@ -159,9 +160,9 @@ class TrainerRehearsal(Rehearsal):
     def __exit__(self, *exc) -> None:
         self._hook.__exit__(*exc)
 
-    def report(self, warmup: int) -> dict:
+    def report(self, warmup: int, experts=()) -> dict:
         return diagnose(self.records, warmup, self.reads,
-                        _widest(w.run_shapes for w in self.watches if w.records))
+                        _widest(w.run_shapes for w in self.watches if w.records), experts)
 
 
 def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
@@ -178,15 +179,16 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
         hf = HFRehearsal(steps, reads, runtime)
         paths = [trainer, hf]
         loop = LoopRehearsal(steps, reads, runtime, warmup, claimed=lambda: any(p.claimed for p in paths))
+        experts = ExpertsWatch(reads)  # what runs inside MoE experts, whichever path trains
         with contextlib.ExitStack() as stack:
-            for rehearsal in (*paths, loop):
+            for rehearsal in (*paths, loop, experts):
                 stack.enter_context(rehearsal)
             _run_script(path, script_args, reads)
     used = next((p for p in paths if p.claimed), loop)
     if not used.records:
         raise InputError(f"{script} trained no step (no optimizer step, no hputrain or Hugging Face "
                          "Trainer step), so there is nothing to check")
-    report = used.report(warmup)
+    report = used.report(warmup, experts.seen())
     if gaudi:
         report["notes"].insert(0, "a Gaudi is present, and the doctor rehearsed on the CPU anyway: "
                                "its lazy backend stands in for the HPU")

@@ -114,7 +114,7 @@ class HFRehearsal(Rehearsal):
         args.report_to = []
         args.push_to_hub = False
 
-    def report(self, warmup: int) -> dict:
+    def report(self, warmup: int, experts=()) -> dict:
         """diagnose()'s report of the watched steps, its fixes worded in the Trainer's arguments."""
         watched = [w for w in self.watches if w.records]
         walked = [w.run_shapes for w in watched if w.run_shapes is not None and w.run_shapes.census]
@@ -122,7 +122,7 @@ class HFRehearsal(Rehearsal):
             watched[0].run_shapes if watched else None)
         if run is not None and run.census is not None:  # the fix in the Trainer's arguments
             run.fix = _collator_fix(run, watched)
-        report = diagnose(self.records, warmup, self.reads, run)
+        report = diagnose(self.records, warmup, self.reads, run, experts)
         for finding in report["findings"]:
             finding["message"] = _hf_wording(finding, self.reads)
         if any(w.unfused for w in watched):

@@ -193,10 +193,10 @@ class LoopRehearsal:
 
     # -- the report ----------------------------------------------------------------------------------
 
-    def report(self, warmup: int) -> dict:
+    def report(self, warmup: int, experts=()) -> dict:
         """The same report as a Trainer's (findings.diagnose), with the loop's own findings."""
         skipped = "this is a plain loop, whose data loader the doctor does not walk"
-        report = diagnose(self.records, warmup, self.reads, RunShapes(None, skipped=skipped))
+        report = diagnose(self.records, warmup, self.reads, RunShapes(None, skipped=skipped), experts)
         for finding in report["findings"]:
             if finding["kind"] == "recompilation" and report["shapes"]["growing"]:
                 finding["message"] += self._changing_inputs()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads
+from .doctor_experts import EXPERTS_READ, ExpertsSeen, routing_finding
 from .shapes import MAX_SHAPES, ShapeCensus, shape_text
 
 _PACKAGE = str(Path(__file__).parents[1])  # hputrain itself: its frames are not the user's
@@ -143,16 +144,22 @@ class Rehearsal:
 
 # -- the report ----------------------------------------------------------------------------------------
 
-def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes | None = None) -> dict:
+def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes | None = None,
+             experts: list[ExpertsSeen] = ()) -> dict:
     """The report: per-step figures, the shapes of the whole run (`run`, when its batches were
     walked), findings (each naming the problem and the fix) and notes (what was seen and is fine,
-    and what was left out)."""
+    and what was left out). `experts`: what ran inside MoE experts modules (doctor_experts.py);
+    experts whose shapes follow the routing are one finding, which explains the recompilations,
+    and their reads and eager ops are left to it."""
     shapes = _shape_history(records, warmup)
     census = run.census if run is not None else None
     fallback_ops, backend_gaps = _fallback_ops(records)
-    findings = [*_recompilation(records, warmup, shapes, judge_growth=census is None),
-                *_unbounded_shapes(run, shapes), *_host_syncs(records, reads, run),
-                *_fallbacks(fallback_ops, _fallback_sites(records))]
+    routed = [e for e in experts if e.routing_dependent]
+    in_experts = {site for e in routed for site in e.reads}
+    findings = [*routing_finding(records, warmup, routed),
+                *_recompilation(records, warmup, shapes, judge_growth=census is None, explained=bool(routed)),
+                *_unbounded_shapes(run, shapes), *_host_syncs(records, reads, run, in_experts),
+                *_fallbacks(_outside(fallback_ops, routed), _fallback_sites(records))]
     notes = [*_run_shapes_notes(run), *_bounded_shapes(shapes, run, findings),
              *_logging_period(records, warmup), *_logging_reads(records, reads),
              *_between_steps(records, warmup, run), *_left_out(backend_gaps)]
@@ -161,7 +168,7 @@ def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes 
             "host_syncs_per_step": [r["host_syncs"] for r in records], "shapes": shapes,
             "run_shapes": None if run is None else run.as_dict(),
             "fallback_ops": fallback_ops, "backend_gaps_left_out": backend_gaps,
-            "findings": findings, "notes": notes}
+            "experts": [e.as_dict() for e in experts], "findings": findings, "notes": notes}
 
 
 def _shape_history(records: list[dict], warmup: int) -> dict:
@@ -179,16 +186,18 @@ def _shape_history(records: list[dict], warmup: int) -> dict:
     return {"distinct": seen, "new_at_steps": new_at, "growing": any(s in tail for s in new_at[1:])}
 
 
-def _recompilation(records: list[dict], warmup: int, shapes: dict, judge_growth: bool) -> list[dict]:
-    """Compiles after warm-up for shapes already compiled; and, when the run's batches could not
-    be walked (`judge_growth`), shapes that kept coming in the steps watched."""
+def _recompilation(records: list[dict], warmup: int, shapes: dict, judge_growth: bool,
+                   explained: bool = False) -> list[dict]:
+    """Compiles after warm-up for shapes already compiled (unless `explained`: by experts whose
+    shapes follow the routing); and, when the run's batches could not be walked (`judge_growth`),
+    shapes that kept coming in the steps watched."""
     late = [r for r in records[warmup:] if r["compiles"]]
     if not late:
         return []
     known = [r["step"] for r in late if r["step"] not in _steady_new_at(records)]
     count = sum(r["compiles"] for r in late)
     findings = []
-    if known:
+    if known and not explained:
         findings.append({"kind": "recompilation", "message": (
             f"step(s) {known} compiled new graphs for batch shapes already compiled: something other "
             "than the shapes changes the graph from step to step, such as a Python number that "
@@ -384,13 +393,15 @@ def _logging_reads(records: list[dict], reads: HostReads) -> list[str]:
             "on a logging step is not a per-step sync: the steps between run without waiting for the device"]
 
 
-def _host_syncs(records: list[dict], reads: HostReads, run: RunShapes | None = None) -> list[dict]:
+def _host_syncs(records: list[dict], reads: HostReads, run: RunShapes | None = None,
+                in_experts: set = frozenset()) -> list[dict]:
     per_step = [r["host_syncs"] for r in records]
     if not any(per_step) or _on_logging_steps(records):
         return []
     by_fix: dict[str, list[str]] = {}
     for site, n in sorted(reads.where.items(), key=lambda item: str(item[0])):
-        by_fix.setdefault(_known_fix(site, records, run), []).append(f"{_describe(site)} ({n}x)")
+        fix = EXPERTS_READ if site in in_experts else _known_fix(site, records, run)
+        by_fix.setdefault(fix, []).append(f"{_describe(site)} ({n}x)")
     parts = [f"{', '.join(places)}: {fix}" for fix, places in by_fix.items()]
     return [{"kind": "host_sync", "message": (
         f"values read back to the host inside the step, {max(per_step)} per step. Each read cuts "
@@ -444,6 +455,15 @@ def _fallback_ops(records: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
             ops[op] = ops.get(op, 0) + n
     gaps = {op: n for op, n in sorted(ops.items()) if op in BACKEND_FALLBACKS}
     return {op: n for op, n in sorted(ops.items()) if op not in gaps}, gaps
+
+
+def _outside(fallback_ops: dict[str, int], experts: list[ExpertsSeen]) -> dict[str, int]:
+    """The eager ops less those that ran inside the experts' forward (their finding's)."""
+    left = dict(fallback_ops)
+    for seen in experts:
+        for op, n in seen.fallbacks.items():
+            left[op] = left.get(op, 0) - n
+    return {op: n for op, n in left.items() if n > 0}
 
 
 def _fallback_sites(records: list[dict]) -> dict[str, list[str]]:
