@@ -8,8 +8,10 @@ The model is loaded as `hputrain train` loads it under fsdp across processes (re
 load_model with sharded=True: each rank reads its own experts). Global rank 0 writes
 OUTPUT_DIR/trained.pt: the trained model's logits on a fixed batch (its weights gathered whole
 into an eager copy of the model) and the weights themselves, which from_pretrained(final) must
-give back.
+give back, and OUTPUT_DIR/peaks.json: the most bytes of tensor storage the write made alive at
+once on rank 0 ("final"), beside the whole model's bytes and its largest tensor's.
 """
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hputrain import Trainer, TrainingArguments  # noqa: E402
 from hputrain.checkpoint import export  # noqa: E402
 from hputrain.recipes import hf  # noqa: E402
+from tests.streamed_export_script import LiveBytes  # noqa: E402
 
 BATCH = torch.arange(2, 34).reshape(2, 16)
 
@@ -43,8 +46,12 @@ def main(output_dir: Path, folder: Path) -> None:
     trainer.train()
     state = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
              for name, t in trainer.model.state_dict().items()}
-    export.save_model(trainer.model, output_dir / "final", group=trainer.group)
+    with LiveBytes() as counted:  # what the write made alive at once on this rank
+        export.save_model(trainer.model, output_dir / "final", group=trainer.group)
     if trainer.group.is_main:
+        sizes = [t.numel() * t.element_size() for t in state.values()]
+        peaks = {"final": counted.peak, "model": sum(sizes), "largest": max(sizes)}
+        (output_dir / "peaks.json").write_text(json.dumps(peaks))
         eager = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(folder), dtype=torch.float32)
         eager.load_state_dict(state)
