@@ -120,6 +120,9 @@ def test_load_metrics():
     assert routing.load_metrics(picks) == {
         "router/max_load.layer0": 1.0, "router/dead_experts.layer0": 0.0,
         "router/max_load.layer1": 2.0, "router/dead_experts.layer1": 0.5}
+    # named by the decoder layer: Qwen2-MoE with layer 0 dense (mlp_only_layers)
+    model = tiny_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[0])
+    assert router_for(model).layers == [1, 2]
 
 
 # -- in the Trainer: what the optimizer sees ------------------------------------------------------

@@ -27,15 +27,16 @@ Families without this loss: DeepSeek-V3 (its routing is balanced by a bias, not 
 Llama 4 (none in transformers); their models get no router loss and no load metrics here.
 transformers has no router z-loss in these families (OLMoE's config has none), so none is added.
 
-Router health, at every logging step, per MoE layer, over the tokens of every rank since the last
-record: `router/max_load.layer<i>`, the busiest expert's picks over the mean (1 is perfectly
-balanced, E / k is every token on the same experts), and `router/dead_experts.layer<i>`, the share
-of experts no token picked.
+Router health, at every logging step, per MoE layer (<i> its decoder layer's number), over the
+tokens of every rank since the last record: `router/max_load.layer<i>`, the busiest expert's picks
+over the mean (1 is perfectly balanced, E / k is every token on the same experts), and
+`router/dead_experts.layer<i>`, the share of experts no token picked.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 
 import torch
 
@@ -156,7 +157,9 @@ class Router(NoRouter):
                  group, accumulate: int, inputs: frozenset[str] | None,
                  device: torch.device | None = None) -> None:
         router_class, index = recorded
-        self.routers = [m for m in model.modules() if isinstance(m, router_class)]
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, router_class)]
+        self.routers = [m for _, m in named]
+        self.layers = [_layer_number(name, i) for i, (name, _) in enumerate(named)]
         for router in self.routers:
             router.register_forward_hook(self._hook(index))
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
@@ -256,7 +259,7 @@ class Router(NoRouter):
             record[prefix + AUX_LOSS] = aux / (forwards / group.world_size if not evaluating
                                                else forwards)
         if not evaluating and forwards:
-            record.update(load_metrics(torch.tensor(picks).view(len(self.routers), -1)))
+            record.update(load_metrics(torch.tensor(picks).view(len(self.routers), -1), self.layers))
         return record
 
     @contextlib.contextmanager
@@ -280,10 +283,18 @@ class Router(NoRouter):
             self._counting = True
 
 
-def load_metrics(picks: torch.Tensor) -> dict:
-    """Per layer ([layers, E] picks): the busiest expert over the mean, the share picked by none."""
+def _layer_number(name: str, position: int) -> int:
+    """The decoder layer a router sits in, from its module name (model.layers.3.mlp.gate: 3), so
+    that a model whose first layers are dense names its MoE layers as the model does."""
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(numbers[0]) if numbers else position
+
+
+def load_metrics(picks: torch.Tensor, layers: list[int] | None = None) -> dict:
+    """Per MoE layer ([layers, E] picks; `layers` their decoder layer numbers, else 0, 1, ...):
+    the busiest expert's picks over the mean, and the share of experts picked by none."""
     record = {}
-    for layer, counts in enumerate(picks):
+    for layer, counts in zip(layers or range(len(picks)), picks):
         mean = counts.mean().item()
         record[MAX_LOAD.format(layer)] = counts.max().item() / mean if mean > 0 else 0.0
         record[DEAD_EXPERTS.format(layer)] = (counts == 0).float().mean().item()
