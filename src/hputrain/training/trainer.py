@@ -123,9 +123,8 @@ class Trainer(CallbackHost):
         # the training method (objective.py): language modelling unless a method says otherwise
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
-        # a mixture of experts' router: its load-balancing loss and load metrics (router.py)
-        self.router = router_of(self.model, self.args.router_aux_loss_coef, self.group,
-                                self.args.gradient_accumulation_steps, self.inputs, self.device)
+        self.router = router_of(self.model, args.router_aux_loss_coef, self.group,  # MoE: router.py
+                                args.gradient_accumulation_steps, self.inputs, self.device)
         self.context_parallel = self._context_parallel()
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
@@ -212,10 +211,8 @@ class Trainer(CallbackHost):
                     # Gradients are all-reduced only on the last micro-batch of the step.
                     with self.strategy.gradient_sync(self.wrapped, micro == accumulate - 1):
                         with self._forward_context():
-                            loss = self._micro_batch_loss(batch, count)
-                            # what the optimizer sees: + coef · the router's loss (router.py);
-                            # the logged `loss` stays the language model's
-                            optimized = self.router.add_aux_loss(loss)
+                            loss = self._micro_batch_loss(batch, count)  # the LM's, as logged
+                            optimized = self.router.add_aux_loss(loss)  # + coef · a MoE's aux
                         if args.pipelining_fwd_bwd:
                             accelerator.mark_step()  # run the forward graph while building backward
                         optimized.backward()
