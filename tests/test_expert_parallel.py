@@ -163,3 +163,51 @@ def test_a_checkpoint_resumes_on_another_expert_parallel_size(tmp_path):
     for name, value in runs["2"]["weights"].items():
         torch.testing.assert_close(runs["1"]["weights"][name], value, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-5)
+
+
+def _cli(*argv):
+    import subprocess
+    import sys
+
+    from .test_distributed import ENV, ROOT
+
+    return subprocess.run([sys.executable, "-m", "hputrain.cli", "train", *map(str, argv)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)
+
+
+def _losses(folder):
+    import json
+
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.slow
+def test_train_command_resumes_an_fsdp_checkpoint_with_the_experts_split(tmp_path, mixtral_folder):
+    """`hputrain train --devices 2 --strategy fsdp`, saved at step 2 of 4 with every rank holding
+    every expert (shard-by-shard loading), resumed with --expert-parallel-size 2 (each rank reads
+    its experts from the shards): steps 3 and 4 log the uninterrupted run's losses, and final/
+    (every expert, on-disk form) holds its weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    data = write_text_file(tmp_path / "text.txt")
+    common = ["--model", mixtral_folder, "--dataset", data, "--max-steps", "4", "--cpu", "--devices", "2",
+              "--strategy", "fsdp", "--logging-steps", "1", "--save-steps", "2", "--disable-tqdm",
+              "--per-device-train-batch-size", "2"]
+    whole = tmp_path / "whole"
+    proc = _cli(*common, "--output-dir", whole)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = Path(shutil.copytree(whole, tmp_path / "resumed"))
+    for leftover in ("checkpoint-4", "final"):
+        shutil.rmtree(resumed / leftover)
+    proc = _cli(*common, "--output-dir", resumed, "--expert-parallel-size", "2",
+                "--resume-from-checkpoint", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = _losses(whole), _losses(resumed)
+    assert [got[step] for step in (3, 4)] == pytest.approx([want[step] for step in (3, 4)], abs=1e-5)
+    expected, actual = load_file(whole / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)

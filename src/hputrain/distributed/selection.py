@@ -16,6 +16,10 @@ def set_layout(settings: ParallelismSettings, group: ProcessGroup) -> None:
         check_expert_parallel(settings.expert_parallel_size, group.world_size,
                               context_parallel_size=settings.context_parallel_size,
                               strategy=settings.strategy)
+        if settings.fsdp_init_on_meta:  # each rank would draw the same values for its experts
+            raise InputError(f"fsdp_init_on_meta draws the experts' weights whole, which "
+                             f"expert_parallel_size={settings.expert_parallel_size} splits: build the "
+                             "model eagerly or load it from a model folder")
     if settings.strategy == "fsdp" and group.distributed:
         from .fsdp import dp_shard_size
 
