@@ -196,3 +196,19 @@ def test_a_lora_run_on_the_experts_trains_their_adapters_only(mixtral_folder, tm
         if "lora_" not in name:
             plain = re.sub(r"(\.base_layer)+", "", name).replace(".parametrizations", "")
             torch.testing.assert_close(param, before[plain], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_a_reward_models_lora_adapts_the_same_layers_and_trains_its_score_head(moe_folders, family):  # noqa: F811
+    """A sequence classifier on a mixture of experts (--method reward --lora-r): the causal LM's
+    layers are adapted, the routers and experts are not, and the score head trains whole."""
+    from hputrain.recipes.hf_reward import add_reward_lora
+
+    folder = moe_folders(family)
+    wanted = adapted(add_lora(load(folder), options()))
+    classifier = transformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    model = add_reward_lora(classifier, options())
+    assert adapted(model) == wanted
+    trained = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert any(".score." in name for name in trained)
+    assert all("lora_" in name or ".score." in name for name in trained)
