@@ -1,12 +1,14 @@
 """Hugging Face model folders loaded shard by shard under strategy="fsdp", for
 tests/test_sharded_loading.py, started by `hputrain launch` on 2 processes:
 
-    sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref]
+    sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref][,ep]
 
 Each case loads FOLDER (a model or adapter folder) as `hputrain train` does under fsdp across
 processes (recipes/hf.py load_model with sharded=True, LoRA r=4 added after torch.manual_seed(0)
 with `lora`), lets a Trainer shard and materialise it, and with `ref` places a deep copy of the
-starting model as DPO's frozen reference (strategy.place_frozen). Every rank records each read of
+starting model as DPO's frozen reference (strategy.place_frozen); with `ep` a mixture of experts'
+experts are split over the 2 ranks (expert_parallel_size=2, fsdp on the rest) and the model is
+gathered with every expert (checkpoint/host.py gathered_state). Every rank records each read of
 the weight files (FolderWeights.read: the tensor's name and the rows read) into
 OUTPUT_DIR/NAME.reads.RANK.json; global rank 0 writes every tensor of the model (and of the
 reference) gathered whole, OUTPUT_DIR/NAME.pt (NAME.ref.pt), and whether the model stayed on the
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hputrain import Trainer, TrainingArguments  # noqa: E402
 from hputrain.checkpoint.hf_weights import FolderWeights  # noqa: E402
+from hputrain.checkpoint.host import gathered_state  # noqa: E402
 from hputrain.recipes import hf  # noqa: E402
 
 READS: list = []
@@ -59,11 +62,16 @@ def run(output_dir: Path, name: str, folder: str, flags: list[str]) -> None:
     ref = copy.deepcopy(model) if "ref" in flags else None
     if options.lora_r:
         model = hf.add_lora(model, options)
+    if "ep" in flags:
+        from hputrain.execution.experts.parallel import register
+
+        register()  # the expert-parallel forward, as the recipes register it
     args = TrainingArguments(output_dir=str(output_dir / name), max_steps=1, disable_tqdm=True,
-                             accelerator="cpu", strategy="fsdp", ddp_timeout=60, report_to="none")
+                             accelerator="cpu", strategy="fsdp", ddp_timeout=60, report_to="none",
+                             expert_parallel_size=2 if "ep" in flags else 1)
     ids = torch.arange(8).reshape(1, 8)
     trainer = Trainer(model, args, train_dataset=[{"input_ids": ids[0], "labels": ids[0]}])
-    state = gathered(trainer.model)
+    state = gathered_state(trainer.model) if "ep" in flags else gathered(trainer.model)
     ref_state = gathered(trainer.strategy.place_frozen(ref, trainer.device)) if ref is not None else None
     rank = trainer.group.rank
     (output_dir / f"{name}.reads.{rank}.json").write_text(json.dumps(READS))

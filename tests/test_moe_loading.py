@@ -273,13 +273,16 @@ def assert_each_byte_read_once(out, name: str, folder, ranks: int = 2) -> None:
 @pytest.mark.slow
 def test_two_ranks_load_each_family_bit_for_bit_reading_each_byte_once(tmp_path, folders):
     """Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 (experts apart), a Mixtral over several files and a
-    fused one, under fsdp on 2 processes: equal to from_pretrained, each byte read by one rank."""
+    fused one, under fsdp on 2 processes: equal to from_pretrained, each byte read by one rank.
+    With expert parallelism (2 ranks, fsdp on the rest: "mixtral-ep"), each rank reads its own
+    experts, 0-3 and 4-7, through the views the strategy gives the split experts."""
     names = [*FAMILIES, "mixtral-index", "mixtral-fused"]
-    launch(tmp_path, *(f"{name},{folders[name]}" for name in names))
-    for name in names:
+    launch(tmp_path, *(f"{name},{folders[name]}" for name in names), f"mixtral-ep,{folders['mixtral']},ep")
+    for name in [*names, "mixtral-ep"]:
+        folder = folders[name.removesuffix("-ep")]
         assert json.loads((tmp_path / f"{name}.json").read_text())["on_meta"], name
-        assert_bit_equal(reference(folders[name]), torch.load(tmp_path / f"{name}.pt"))
-        assert_each_byte_read_once(tmp_path, name, folders[name])
+        assert_bit_equal(reference(folder), torch.load(tmp_path / f"{name}.pt"))
+        assert_each_byte_read_once(tmp_path, name, folder)
 
 
 @pytest.mark.slow

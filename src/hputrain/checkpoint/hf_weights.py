@@ -232,18 +232,14 @@ def _shapes(files: set[Path]) -> dict[str, tuple[int, ...]]:
 
 def index_in_whole(param: torch.Tensor, whole: tuple[int, ...], name: str, views=None) -> tuple[slice, ...]:
     """The slices of the whole tensor (shape `whole`, as the folder makes it) that this rank
-    holds of `param`: its local shard (local_index), and for a parameter that holds only this
-    rank's experts (expert parallelism: the model's STATE_VIEWS name it), that shard placed
-    among the rank's experts, which its views place in the whole. A shard that does not place
-    within `whole` is an error, never a silent read of other rows."""
-    index = local_index(param)
-    part_of_whole = tuple(param.shape) != tuple(whole)
-    split = views is not None and name in views.names
-    if part_of_whole and split:
-        mine = local_index(views.whole(torch.empty(param.shape, dtype=param.dtype, device="meta")))
-        index = (slice(mine[0].start + index[0].start, mine[0].start + index[0].stop),) + index[1:]
-    if (part_of_whole and not split) or len(index) != len(whole) or any(
-            part.stop > size for part, size in zip(index, whole)):
+    holds of `param`: its local shard (local_index); for a parameter that holds only this rank's
+    experts (expert parallelism: the model's STATE_VIEWS name it), the shard its views place in
+    the whole (the rank's experts, and fsdp's cut of them). A part that does not place within
+    `whole` is an error, never a silent read of other rows."""
+    split = views is not None and name in views.names and tuple(param.shape) != tuple(whole)
+    index = local_index(views.whole(param.detach()) if split else param)
+    if len(index) != len(whole) or any(part.stop > size for part, size in zip(index, whole)) or (
+            not split and tuple(param.shape) != tuple(whole)):
         raise RuntimeError(f"{name}: this rank's part {[(s.start, s.stop) for s in index]} does not "
                            f"place within the folder's {list(whole)}")
     return index
