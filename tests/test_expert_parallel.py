@@ -60,6 +60,11 @@ def test_layout_refusals_name_the_numbers():
     dense = type("Config", (), {"model_type": "llama"})()
     with pytest.raises(InputError, match=r"has none"):
         check_expert_parallel(2, 2, config=dense, model_name="llama")
+    llama4 = type("Config", (), {"num_local_experts": 8, "model_type": "llama4_text"})()
+    with pytest.raises(InputError, match=r"outside transformers' ExpertsInterface"):
+        check_expert_parallel(2, 2, config=llama4, model_name="llama4")
+    with pytest.raises(InputError, match=r"strategy ddp or fsdp, not 'fast_ddp'"):
+        check_expert_parallel(2, 2, config=config, strategy="fast_ddp")
     check_expert_parallel(2, 4, config=config)  # 8 experts over 2 of 4 ranks: fine
 
 
@@ -211,3 +216,105 @@ def test_train_command_resumes_an_fsdp_checkpoint_with_the_experts_split(tmp_pat
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+# -- the forward on ranks simulated by threads -------------------------------------------------------
+
+class _Threads:
+    """`ranks` ranks in threads of this process: all-to-all and the token counts' all-gather
+    through shared lists and a barrier (what Gloo does between processes)."""
+
+    def __init__(self, ranks: int) -> None:
+        import threading
+
+        self.ranks, self.barrier, self.box = ranks, threading.Barrier(ranks), [None] * ranks
+
+    def share(self, rank: int, value):
+        self.barrier.wait()
+        self.box[rank] = value
+        self.barrier.wait()
+        values = list(self.box)
+        self.barrier.wait()
+        return values
+
+    def exchange(self, rank, tensor, send_sizes, receive_sizes):
+        parts = self.share(rank, list(tensor.split(send_sizes)))
+        received = torch.cat([parts[peer][rank] for peer in range(self.ranks)])
+        assert received.shape[0] == sum(receive_sizes)
+        return received
+
+
+@pytest.mark.parametrize("family,ranks,tokens,routing,inner", [
+    ("mixtral", 2, (5, 3), "random", "hputrain"),
+    ("mixtral", 8, (4,) * 8, "random", "grouped_mm"),
+    ("gpt_oss", 4, (6, 2, 4, 3), "random", "grouped_mm"),
+    ("qwen3_moe", 2, (4, 4), "one expert", "hputrain")],
+    ids=["mixtral ep2 uneven static", "mixtral ep8 one expert a rank", "gpt_oss ep4 biases",
+         "qwen3_moe ep2 every token to expert 0"])
+def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, ranks, tokens, routing, inner):
+    """Each rank's experts module holds its E/ranks experts; tokens (a different count per rank)
+    go to their experts' ranks and back, computed there by hputrain's static experts or
+    transformers' grouped_mm: the outputs and the gradients of the inputs, the router weights and
+    each rank's experts equal the whole module's (transformers' grouped_mm) within 1e-5."""
+    import copy
+    import threading
+    from types import SimpleNamespace
+
+    import transformers
+
+    from hputrain.distributed.expert_parallel import SHARD_ATTRIBUTE, ExpertShard
+    from hputrain.execution.experts import parallel
+    from hputrain.execution.experts.parallel import expert_parallel_forward
+
+    config = tiny_moe_config_for(family)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    whole = next(m for m in model.modules() if hasattr(m, "_is_expert_parallel"))
+    experts, k, hidden = whole.num_experts, config.num_experts_per_tok, config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(t, hidden, generator=g) for t in tokens]
+    if routing == "one expert":
+        index = [torch.stack([torch.tensor([0, 1 + i % (experts - 1)]) for i in range(t)]) for t in tokens]
+    else:
+        index = [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]) for t in tokens]
+    weights = [torch.rand(t, k, generator=g) for t in tokens]
+    threads, local = _Threads(ranks), experts // ranks
+    monkeypatch.setattr(parallel, "_exchange", lambda tensor, send, receive, group: threads.exchange(group, tensor, send, receive))
+    monkeypatch.setattr(parallel, "_token_counts", lambda count, group: threads.share(group, count))
+    results = [None] * ranks
+
+    def run(rank):
+        module = copy.deepcopy(whole)
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone()))
+        module.num_experts, module._is_expert_parallel = local, True
+        setattr(module, SHARD_ATTRIBUTE, ExpertShard(experts, ranks, rank, rank, rank, inner))
+        x, w = inputs[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
+        out = expert_parallel_forward(module, x, index[rank], w)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results[rank] = SimpleNamespace(out=out.detach(), x=x.grad, w=w.grad,
+                                        params={n: p.grad for n, p in module.named_parameters()})
+
+    workers = [threading.Thread(target=run, args=(rank,)) for rank in range(ranks)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert all(result is not None for result in results)
+    whole.config._experts_implementation = "grouped_mm"
+    for rank in range(ranks):
+        x, w = inputs[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
+        out = whole(x, index[rank], w)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        torch.testing.assert_close(results[rank].out, out.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results[rank].x, x.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results[rank].w, w.grad, rtol=1e-5, atol=1e-5)
+    for name, param in whole.named_parameters():  # the whole module's gradient: every rank's tokens
+        split = torch.cat([results[rank].params[name] for rank in range(ranks)])
+        torch.testing.assert_close(split, param.grad, rtol=1e-5, atol=1e-5)
+
+
+def tiny_moe_config_for(family):
+    from .moe_fixtures import tiny_moe_config
+
+    return tiny_moe_config(family)

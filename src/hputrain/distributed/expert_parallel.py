@@ -38,6 +38,8 @@ EXPERT_PARALLEL = "hputrain_expert_parallel"
 SHARD_ATTRIBUTE = "hputrain_expert_shard"
 #: The config attributes that give a mixture-of-experts model's number of routed experts.
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+#: Families whose experts do not go through the ExpertsInterface (Llama 4's MoE block).
+_UNSPLIT_FAMILIES = ("llama4",)
 
 
 @dataclass(eq=False)
@@ -99,6 +101,10 @@ def check_expert_parallel(size: int, world_size: int, *, config=None, model_name
     if experts % size:
         raise InputError(f"{model_name} has {experts} experts, which expert_parallel_size={size} "
                          f"does not divide: choose a divisor of {experts}")
+    if str(getattr(config, "model_type", "")).startswith(_UNSPLIT_FAMILIES):
+        raise InputError(f"expert_parallel_size={size}: {model_name} ({config.model_type}) keeps its "
+                         "experts outside transformers' ExpertsInterface, which expert parallelism "
+                         "replaces; set expert_parallel_size=1")
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
