@@ -118,7 +118,9 @@ class CUDAAccelerator(Accelerator):
 
 
 def _aligned(tensor: torch.Tensor, boundary: int = 16) -> bool:
-    """Whether the tensor's start and its strides other than 1 fall on `boundary` bytes."""
+    """Whether the tensor's start and its strides other than 1 fall on `boundary` bytes (under
+    torch.compile the strides alone: a traced tensor has no address, and inductor's buffers start
+    aligned)."""
     size = tensor.element_size()
-    return (tensor.data_ptr() % boundary == 0
+    return ((torch.compiler.is_compiling() or tensor.data_ptr() % boundary == 0)
             and all(stride == 1 or stride * size % boundary == 0 for stride in tensor.stride()))
