@@ -31,7 +31,7 @@ FIX = (f"experts with static shapes, in which every token still goes to its top-
        f"no shape depends on the routing: hputrain's, registered with transformers' "
        f"ExpertsInterface as experts_implementation=\"{NAME}\". hputrain's Trainer selects them "
        "itself (`experts: static` in the run's header) with fused_kernels on (the default, "
-       "\"auto\") for a model that keeps transformers' default experts_implementation "
+       "\"auto\"; --fused-kernels) for a model that keeps transformers' default experts_implementation "
        "(\"grouped_mm\"): leave experts_implementation unset and fused_kernels on. Elsewhere (a "
        "Hugging Face Trainer, a plain loop) call hputrain.execution.experts.register() and "
        f"model.set_experts_implementation(\"{NAME}\").")
