@@ -79,7 +79,9 @@ def _train(cli_here, tmp_path, model, *argv):
     (["--expert-parallel-size", "2"], ["expert_parallel_size=2", "1 process"]),
     (["--devices", "4", "--expert-parallel-size", "2", "--context-parallel-size", "2"],
      ["context_parallel_size=2"]),
-], ids=["experts not divisible", "larger than the world", "with context parallelism"])
+    (["--devices", "2", "--expert-parallel-size", "2", "--lora-r", "4", "--lora-target-modules", "experts"],
+     ["LoRA adapters on the experts"]),
+], ids=["experts not divisible", "larger than the world", "with context parallelism", "lora on the experts"])
 def test_bad_expert_parallel_layouts_are_one_line_exit_2(cli_here, tmp_path, mixtral_folder, argv, words):
     status, _, err = _train(cli_here, tmp_path, mixtral_folder, *argv)
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err

@@ -169,6 +169,12 @@ def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
                          + (f"{other} do not go through transformers' ExpertsInterface, which "
                             "expert parallelism replaces; set expert_parallel_size=1" if other else
                             f"{type(model).__name__} has no experts to split; set expert_parallel_size=1"))
+    wrapped = {id(getattr(module, "base_layer", None)) for module in model.modules()}
+    adapted = [name for name, experts in found if id(experts) in wrapped]
+    if adapted:  # PEFT's target_parameters: its adapters hold every expert's rows
+        raise InputError(f"expert_parallel_size={layout.size} with LoRA adapters on the experts "
+                         f"({adapted[0]}) is not supported: adapt attention and the dense layers, "
+                         "or set expert_parallel_size=1")
     params, inners = [], {}
     for name, module in found:
         total = module.num_experts

@@ -188,7 +188,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         check_stream(options, training_args)
     adopt_launcher_env(training_args.devices, training_args.num_nodes)  # mpirun's or srun's ranks
     if training_args.expert_parallel_size > 1:  # refused before any process starts
-        _expert_parallel(folder, options.model, training_args)
+        _expert_parallel(folder, options, training_args)
     if needs_launch(training_args.devices, training_args.num_nodes):
         # One process per device, started before any weight is read: this one only waits for them
         # (it would otherwise hold a whole copy of the model for the length of the run).
@@ -268,7 +268,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     return 0
 
 
-def _expert_parallel(folder: Path, name: str, training_args) -> None:
+def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
     """An expert-parallel layout the model and the world allow (one line otherwise), and the
     expert-parallel forward made known to transformers (distributed/expert_parallel.py)."""
     import transformers
@@ -276,9 +276,14 @@ def _expert_parallel(folder: Path, name: str, training_args) -> None:
     from ..distributed.expert_parallel import check_expert_parallel
     from ..execution.experts.parallel import register
 
+    size = training_args.expert_parallel_size
+    if options.lora_r and "experts" in (options.lora_target_modules or []):
+        raise InputError(f"expert_parallel_size={size} with LoRA adapters on the experts "
+                         "(--lora-target-modules experts) is not supported: adapt attention and the "
+                         "dense layers, or set expert_parallel_size=1")
     world = int(os.environ.get("WORLD_SIZE") or training_args.devices * training_args.num_nodes)
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    check_expert_parallel(training_args.expert_parallel_size, world, config=config, model_name=name,
+    check_expert_parallel(size, world, config=config, model_name=options.model,
                           context_parallel_size=training_args.context_parallel_size,
                           strategy=training_args.strategy)
     register()
