@@ -203,15 +203,19 @@ def test_streamed_writing_gives_the_files_save_pretrained_gives(folders, tmp_pat
     tensors under the same names as save_pretrained, and from_pretrained of it the same logits."""
     from safetensors.torch import load_file
 
-    from hputrain.checkpoint.export import on_disk
-    from hputrain.checkpoint.streamed import each_once_by_identity, write_safetensors
+    from hputrain.checkpoint.hf_conversion import DiskForm
+    from hputrain.checkpoint.streamed import each_once_by_identity, placeholder, write_safetensors
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_moe"], dtype=torch.float32)
     model.save_pretrained(tmp_path / "theirs")
     (tmp_path / "ours").mkdir()
     shutil.copy(tmp_path / "theirs" / "config.json", tmp_path / "ours")
-    write_safetensors(tmp_path / "ours" / "model.safetensors", each_once_by_identity(model),
-                      metadata={"format": "pt"}, convert=on_disk(model))
+    entries = each_once_by_identity(model)
+    form = DiskForm.of(model, {name: placeholder(t) for name, t in entries.items()})
+    assert form.names["model.norm.weight"] == ["model.norm.weight"]  # written as it is
+    assert len(form.names["model.layers.0.mlp.experts.gate_up_proj"]) == 16  # 8 experts × gate, up
+    write_safetensors(tmp_path / "ours" / "model.safetensors", entries, metadata={"format": "pt"},
+                      convert=form)
     theirs, ours = (load_file(tmp_path / n / "model.safetensors") for n in ("theirs", "ours"))
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

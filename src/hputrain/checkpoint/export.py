@@ -124,9 +124,9 @@ def save_model(model: torch.nn.Module, folder, tokenizer=None, group=None,
     _check_arguments(folder, tokenizer)
     model = unwrap_model(model)
     main = group is None or group.is_main
-    layout = streamed_layout(model, max_shard_size)
-    if layout is not None:  # a sharded whole model: gathered and written one tensor at a time
-        failure = _saved(lambda: _write_streamed(model, folder, layout, tokenizer, main), folder)
+    streamed = streamed_layout(model, max_shard_size)
+    if streamed is not None:  # a sharded whole model: gathered and written one tensor at a time
+        failure = _saved(lambda: _write_streamed(model, folder, *streamed, tokenizer, main), folder)
     else:
         # a PEFT model's base is frozen and already on disk: only the adapter is gathered
         state = gathered_state(model, trainable_only=is_peft_model(model) and is_sharded(model))
@@ -148,25 +148,27 @@ def _saved(write, folder: Path) -> InputError | None:
 
 # -- a sharded model, streamed ---------------------------------------------------------------------
 
-def streamed_layout(model: torch.nn.Module, max_shard_size) -> dict[str, dict] | None:
+def streamed_layout(model: torch.nn.Module, max_shard_size) -> tuple[dict[str, dict], object] | None:
     """For a sharded model (fsdp) saved whole, the files its weights go to, {file name: {name:
     tensor}} (sharded, not yet gathered), laid out as its library's writer lays them out: the
     names each once (a tied weight under its first), split past `max_shard_size` by
-    huggingface_hub's own splitter, as transformers splits. A transformers model that converts
-    its weights on loading (MoE experts fused) is written in the form on disk, each tensor
-    turned back by transformers' own reverse conversion (`on_disk`): the index names the
-    tensors on disk. None where the library's writer must see the gathered state: a model that
-    is not sharded (it is whole already), a PEFT model (its adapter is small), and a conversion
-    that cannot be reverted one tensor at a time."""
+    huggingface_hub's own splitter, as transformers splits; and `convert(name, tensor)`, what
+    each is written as. A transformers model that converts its weights on loading (MoE experts
+    fused) is written in the form on disk, each tensor turned back by transformers' own reverse
+    conversion (hf_conversion.DiskForm): the index names the tensors on disk. None where the
+    library's writer must see the gathered state: a model that is not sharded (it is whole
+    already), a PEFT model (its adapter is small), and a conversion that cannot be reverted one
+    tensor at a time."""
+    from .hf_conversion import DiskForm
     from .streamed import each_once_by_identity
 
     if not is_sharded(model) or is_peft_model(model):
         return None
     entries = each_once_by_identity(model)
-    if not _is_instance(model, "transformers", "PreTrainedModel"):
-        return {MODEL_FILE: entries}  # one file, as the built-in GPT's and safetensors' writers write
-    disk_names = _disk_names(model, entries)
-    if disk_names is None:
+    if not _is_instance(model, "transformers", "PreTrainedModel"):  # one file, as the built-in
+        return {MODEL_FILE: entries}, None  # GPT's and safetensors' writers write
+    form = DiskForm.of(model, _placeholders(entries))
+    if form is None:
         return None
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -177,49 +179,12 @@ def streamed_layout(model: torch.nn.Module, max_shard_size) -> dict[str, dict] |
               for file, names in split.filename_to_tensors.items()}
     if split.is_sharded:
         weight_map = {disk: file for file, names in split.filename_to_tensors.items()
-                      for name in names for disk in disk_names[name]}
+                      for name in names for disk in form.names[name]}
         layout[INDEX_FILE] = {"metadata": split.metadata, "weight_map": weight_map}
-    return layout
+    return layout, form
 
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def on_disk(model):
-    """convert(name, tensor) for streamed.write_safetensors: the tensors save_pretrained writes
-    for the model's tensor `name` (transformers' reverse conversion of it alone)."""
-    from .hf_conversion import disk_form
-
-    return lambda name, tensor: disk_form(model, name, tensor)
-
-
-def _disk_names(model, entries: dict) -> dict[str, list[str]] | None:
-    """Model name -> the names save_pretrained writes for it, or None where reverting the
-    conversion one tensor at a time does not give what reverting them all at once gives (a
-    reverse conversion that joins several of the model's tensors), or changes the bytes."""
-    from .hf_conversion import disk_form
-
-    placeholders = _placeholders(entries)
-    try:
-        together = revert_weight_conversion_of(model, placeholders)
-        alone = {name: disk_form(model, name, tensor) for name, tensor in placeholders.items()}
-    except Exception:  # noqa: BLE001 - whatever it cannot do on placeholders: the gathered path
-        return None
-    parts = {out: part for outs in alone.values() for out, part in outs.items()}
-    same = parts.keys() == together.keys() and all(
-        parts[out].shape == together[out].shape and parts[out].dtype == together[out].dtype for out in parts)
-    if not same or sum(p.numel() for p in parts.values()) != sum(t.numel() for t in placeholders.values()):
-        return None
-    return {name: list(outs) for name, outs in alone.items()}
-
-
-def revert_weight_conversion_of(model, state: dict) -> dict:
-    """transformers' save_pretrained renaming of `state` (unchanged where it has none)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # a transformers without weight conversions renames nothing
-        return dict(state)
-    return revert_weight_conversion(model, dict(state))
 
 
 def _placeholders(entries: dict) -> dict[str, torch.Tensor]:
@@ -229,7 +194,7 @@ def _placeholders(entries: dict) -> dict[str, torch.Tensor]:
     return {name: placeholder(t) for name, t in entries.items()}
 
 
-def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) -> None:
+def _write_streamed(model, folder: Path, layout: dict, convert, tokenizer, main: bool) -> None:
     """Every rank: the weights of `layout` gathered one tensor at a time; the main rank writes
     them, the library's own files (its writer given no tensors: config.json,
     generation_config.json) and the tokenizer into `.tmp-NAME`, then renames it into place. A
@@ -244,7 +209,7 @@ def _write_streamed(model, folder: Path, layout: dict, tokenizer, main: bool) ->
         if file != INDEX_FILE:
             path = tmp / file if main and failure is None else None
             failure = _attempt(lambda: write_safetensors(path, entries, metadata={"format": "pt"},
-                                                         convert=on_disk(model))) or failure
+                                                         convert=convert)) or failure
     if main and failure is None:
         failure = _attempt(lambda: _end_folder(model, tmp, folder, layout, tokenizer))
     if failure is not None:

@@ -263,11 +263,57 @@ def disk_form(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> dict[s
     a meta placeholder of its shape): transformers' own revert_weight_conversion of it alone
     (a fused experts parameter -> each expert's projections under their on-disk names);
     {name: tensor} for a model that transformers does not convert."""
+    return _reverted(model, {name: tensor})
+
+
+def _reverted(model, state: dict) -> dict:
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {name: tensor}
+    except ImportError:  # a transformers without weight conversions renames nothing
+        return dict(state)
     if not isinstance(model, PreTrainedModel):
-        return {name: tensor}
-    return revert_weight_conversion(model, {name: tensor})
+        return dict(state)
+    return revert_weight_conversion(model, dict(state))
+
+
+class DiskForm:
+    """`convert(name, tensor)` for the streamed writer (streamed.write_safetensors): the tensors
+    save_pretrained writes for each of the model's tensors, one at a time. Built once from all
+    of them (`of`): transformers' reverse conversion of the whole state gives the names on disk;
+    a tensor it leaves as it is (most: every dense weight) is written as it is, and each other
+    one goes through the reverse conversion alone (a call costs milliseconds: it rebuilds the
+    model's mapping)."""
+
+    def __init__(self, model, names: dict[str, list[str]]) -> None:
+        self.model = model
+        self.names = names  # the model's tensor -> the names it is written under
+
+    @classmethod
+    def of(cls, model, placeholders: dict[str, torch.Tensor]) -> DiskForm | None:
+        """From the model's tensors as meta placeholders; None where reverting one tensor at a
+        time does not give what reverting them all at once gives (a reverse conversion that
+        joins several of the model's tensors), or changes the bytes."""
+        try:
+            together = _reverted(model, placeholders)
+            parts, names = {}, {}
+            for name, tensor in placeholders.items():
+                kept = name in together and _alike(together[name], tensor)
+                outs = {name: tensor} if kept else disk_form(model, name, tensor)
+                parts |= outs
+                names[name] = list(outs)
+        except Exception:  # noqa: BLE001 - whatever it cannot do on placeholders: not streamed
+            return None
+        if parts.keys() != together.keys() or not all(_alike(parts[k], together[k]) for k in parts) or (
+                sum(p.numel() for p in parts.values()) != sum(t.numel() for t in placeholders.values())):
+            return None
+        return cls(model, names)
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.names.get(name) == [name]:
+            return {name: tensor}
+        return disk_form(self.model, name, tensor)
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
