@@ -61,6 +61,8 @@ def test_the_plan_counts_every_expert_stored_and_top_k_of_them_active(moe_folder
     router_rows = (experts - k) * config.hidden_size * config.num_hidden_layers
     assert moe["active_parameters"] == sum(p.numel() for p in only_k.parameters()) + router_rows
     assert moe["expert_parallel_size"] == 1 and moe["all_to_all_send_bytes_per_layer"] == 0
+    # the T·k (token, expert) pairs' (2I) gate-and-up intermediates of each layer
+    assert moe["intermediate_bytes_per_layer"] == 4 * 128 * k * 2 * config.moe_intermediate_size * 4
 
 
 def test_the_plan_names_the_experts_in_its_header(moe_folders, capsys):
@@ -90,6 +92,7 @@ def test_expert_parallel_plans_e_over_n_experts_a_rank_and_the_forwards_own_buff
     _, capacity = dispatch_slots(index, 4, 2)
     assert moe["all_to_all_rows_per_peer"] == capacity
     assert moe["all_to_all_send_bytes_per_layer"] == 2 * capacity * hidden * 4
+    assert moe["expert_rows_per_layer"] == 2 * capacity  # every peer's block, received
     half = moe["expert_parameters"] // 2 * 8  # AdamW's two fp32 moments of the other rank's experts
     assert split["breakdown"]["optimizer"] == pytest.approx(whole["breakdown"]["optimizer"] - half, rel=0.01)
 

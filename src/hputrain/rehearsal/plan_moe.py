@@ -67,6 +67,19 @@ class MoELayout:
             return 0
         return self.expert_parallel * self.rows_per_peer * self.hidden * self.element_bytes
 
+    @property
+    def expert_rows(self) -> int:
+        """Rows a rank's experts run on, per MoE layer: the T·k pairs, or under expert
+        parallelism every peer's fixed block of rows (N·T·min(k, E/N))."""
+        if self.expert_parallel == 1:
+            return self.tokens * self.top_k
+        return self.expert_parallel * self.rows_per_peer
+
+    @property
+    def intermediate_bytes(self) -> int:
+        """One MoE layer's (rows, 2I) gate-and-up intermediate, in the compute dtype."""
+        return self.expert_rows * 2 * self.intermediate * self.element_bytes
+
     def as_json(self) -> dict:
         return {"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
                 "parameters": self.parameters, "expert_parameters": self.expert_parameters,
@@ -75,7 +88,9 @@ class MoELayout:
                 "experts_per_rank": self.experts_per_rank,
                 "all_to_all_rows_per_peer": self.rows_per_peer,
                 "all_to_all_send_bytes_per_layer": self.all_to_all_bytes,
-                "all_to_all_receive_bytes_per_layer": self.all_to_all_bytes}
+                "all_to_all_receive_bytes_per_layer": self.all_to_all_bytes,
+                "expert_rows_per_layer": self.expert_rows,
+                "intermediate_bytes_per_layer": self.intermediate_bytes}
 
     def describe(self) -> str:
         """One line for the plan's header."""
@@ -85,7 +100,9 @@ class MoELayout:
         line = (f"experts: {self.layers} MoE layer{'s' if self.layers > 1 else ''} of "
                 f"{self.experts} experts, top-{self.top_k}; {millions(self.parameters)} "
                 f"parameters stored ({millions(self.expert_parameters)} in experts), "
-                f"{millions(self.active_parameters)} active per token")
+                f"{millions(self.active_parameters)} active per token; the experts run "
+                f"{self.expert_rows:,} rows a layer ({_size(self.intermediate_bytes)} of (rows, "
+                f"{2 * self.intermediate}) intermediates)")
         if self.expert_parallel > 1:
             size = self.all_to_all_bytes
             line += (f"; expert-parallel {self.expert_parallel}: {self.experts_per_rank} experts "
