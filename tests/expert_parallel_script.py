@@ -2,7 +2,7 @@
 (expert parallelism over the ranks) or in-process as the single-process reference.
 
     expert_parallel_script.py OUTPUT_DIR PER_DEVICE_BATCH FAMILY [--ep N] [--strategy S]
-        [--steps K] [--save-steps K] [--resume] [--final]
+        [--steps K] [--save-steps K] [--resume] [--final] [--accumulate K]
 
 Global rank 0 writes OUTPUT_DIR/result.pt: {"grads": the whole gradients the optimizer's first
 step applies, "weights": the whole weights after training, "losses": the logged losses}, each
@@ -59,6 +59,7 @@ def main(argv=None):
     p.add_argument("--save-steps", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--final", action="store_true", help="save_model into OUTPUT_DIR/final")
+    p.add_argument("--accumulate", type=int, default=1)
     opts = p.parse_args(argv)
     import transformers
 
@@ -71,7 +72,7 @@ def main(argv=None):
                              save_steps=opts.save_steps, seed=0, disable_tqdm=True,
                              throughput_warmup_steps=0, accelerator="cpu", strategy=opts.strategy,
                              expert_parallel_size=opts.ep, ddp_timeout=60, report_to="none",
-                             max_grad_norm=0.5)
+                             max_grad_norm=0.5, gradient_accumulation_steps=opts.accumulate)
     trainer = Trainer(model, args, train_dataset=data())
     names = {id(param): name for name, param in model.named_parameters()}
     first = {}

@@ -127,11 +127,14 @@ def mixtral_one(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_two_expert_parallel_ranks_train_as_one_process(tmp_path, tmp_path_factory, family, mixtral_one):
-    """EP=2 over 2 Gloo processes of batch 2 (ddp on the rest): the losses, the first step's whole
-    gradients (clipped to a global norm) and the weights after 3 steps equal one process of batch
-    4 within 1e-5 in fp32; qwen2_moe adds its shared expert beside the split ones."""
-    expected = mixtral_one if family == "mixtral" else _reference(tmp_path_factory, family)
-    assert_same(expected, _launch(tmp_path, "2", family, "--ep", "2"))
+    """EP=2 over 2 Gloo processes (ddp on the rest), of batch 2, or for mixtral 2 micro-batches of 1
+    (gradient accumulation): the losses, the first step's whole gradients (clipped to a global
+    norm) and the weights after 3 steps equal one process of batch 4 within 1e-5 in fp32;
+    qwen2_moe adds its shared expert beside the split ones."""
+    if family == "mixtral":
+        assert_same(mixtral_one, _launch(tmp_path, "1", family, "--ep", "2", "--accumulate", "2"))
+    else:
+        assert_same(_reference(tmp_path_factory, family), _launch(tmp_path, "2", family, "--ep", "2"))
 
 
 @pytest.mark.slow
