@@ -89,7 +89,7 @@ def train(folder: Path, tmp_path: Path, mode: str, callbacks=()):
     model = load(folder)
     data = rows(model.config.vocab_size)
     assert len({tuple(c) for c in routings(model, data)}) == STEPS  # a new routing every step
-    args = TrainingArguments(output_dir=str(tmp_path / mode), max_steps=STEPS, logging_steps=STEPS,
+    args = TrainingArguments(output_dir=str(tmp_path / mode), max_steps=STEPS, logging_steps=2,
                              per_device_train_batch_size=2, learning_rate=1e-3, save_steps=0,
                              disable_tqdm=True, execution_mode=mode, accelerator="cpu",
                              throughput_warmup_steps=WARMUP, report_to="none")
@@ -102,9 +102,10 @@ def train(folder: Path, tmp_path: Path, mode: str, callbacks=()):
 @lazy_rehearses_hf_models
 @pytest.mark.parametrize("family", tiered())
 def test_lazy_mode_compiles_nothing_after_warmup(family, moe_folders, tmp_path):  # noqa: F811
-    """hputrain's static experts (selected by fused_kernels "auto") on the CPU's lazy backend:
-    graphs in the first steps, none after warm-up, though every step routes differently."""
-    metrics = train(moe_folders(family), tmp_path, "lazy")
+    """hputrain's static experts (selected by fused_kernels "auto") on the CPU's lazy backend, the
+    router's loss trained and its metrics logged every 2 steps, as MoE fine-tuning runs: graphs in
+    the first steps, none after warm-up, though every step routes differently."""
+    metrics = train(moe_folders(family, output_router_logits=True), tmp_path, "lazy")
     assert metrics["graph_compiles"] > 0 and metrics["graph_compiles_after_warmup"] == 0
 
 
