@@ -212,3 +212,17 @@ def test_a_reward_models_lora_adapts_the_same_layers_and_trains_its_score_head(m
     trained = {name for name, param in model.named_parameters() if param.requires_grad}
     assert any(".score." in name for name in trained)
     assert all("lora_" in name or ".score." in name for name in trained)
+
+
+def test_with_its_adapters_disabled_a_model_with_lora_on_the_experts_is_the_base(moe_folders):  # noqa: F811
+    """The reference of DPO and GRPO under LoRA (objective.adapters_disabled): the experts'
+    adapters, which PEFT applies as a parametrization, are off too, and back on after."""
+    from hputrain.training.objective import adapters_disabled
+
+    folder = moe_folders("mixtral")
+    model = shaken(add_lora(load(folder), options(lora_target_modules=["q_proj", "experts"])))
+    with_adapters = logits(model)
+    with adapters_disabled(model):
+        torch.testing.assert_close(logits(model), logits(load(folder)), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(model), with_adapters, atol=0, rtol=0)
+    assert all(param.requires_grad == ("lora_" in name) for name, param in model.named_parameters())
