@@ -333,3 +333,39 @@ def test_the_issue_command_line_loads_mixtral_shard_by_shard(tmp_path, folders):
     assert tensor_shapes(final).keys() == tensor_shapes(folders["mixtral"]).keys()
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_each_operation_reads_what_transformers_operations_give():
+    """The operations no MoE fixture uses here (Transpose, Chunk) and a chain of them: any part
+    of the result, read through the nodes, equals that part of what transformers' own
+    WeightConverter.convert makes of the same tensors."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Transpose, WeightConverter
+
+    from hputrain.checkpoint.hf_conversion import Leaf, _converted
+
+    g = torch.Generator().manual_seed(0)
+    stored = {f"layers.0.experts.{e}.{w}.weight": torch.randn(6, 4, generator=g)
+              for e in range(3) for w in ("w1", "w3")} | {"layers.0.attn.qkv.weight": torch.randn(9, 4, generator=g)}
+    cases = [
+        (WeightConverter(["experts.*.w1.weight", "experts.*.w3.weight"], "experts.gate_up_proj",
+                         [MergeModulelist(dim=0), Concatenate(dim=1), Transpose(1, 2)]),
+         "layers.0.experts.gate_up_proj", "experts"),
+        (WeightConverter("attn.qkv.weight", ["attn.q.weight", "attn.k.weight", "attn.v.weight"], [Chunk(dim=0)]),
+         "layers.0.attn.q.weight", "qkv"),
+    ]
+    for converter, first, part in cases:
+        inputs: dict[str, list] = {}
+        for key in sorted(k for k in stored if part in k):
+            _, pattern = converter.rename_source_key(key)
+            inputs.setdefault(pattern, []).append(key)
+            converter.add_tensor(first, key, pattern, stored[key])
+        expected = converter.convert(first)
+        nodes = _converted(converter, first, {p: [Leaf(k, stored[k].shape) for k in keys]
+                                              for p, keys in inputs.items()}, model=None)
+        assert nodes.keys() == expected.keys()
+        for name, node in nodes.items():
+            whole = expected[name]
+            assert node.shape == tuple(whole.shape), name
+            box = tuple(slice(n // 3, n - n // 4) for n in whole.shape)
+            read = node.read(box, lambda key, index: stored[key][index])
+            assert torch.equal(read, whole[box]), name

@@ -248,7 +248,7 @@ def _apply(op, values: dict, converter, first_name: str, model) -> dict:
         if len(values) != 1:
             raise _Unfollowed("chunks several tensors at once")
         node = _single(next(iter(values.values())))
-        names = op.get_target_patterns(targets, config=model.config)
+        names = op.get_target_patterns(targets, config=getattr(model, "config", None))
         length = node.shape[op.dim]
         size = math.ceil(length / len(names))
         starts = range(0, length, size)
