@@ -224,6 +224,20 @@ class ExpertParallel(Strategy):
         self.layout: ExpertLayout | None = None
         self.expert_params: list[nn.Parameter] = []
 
+    def __getattr__(self, name: str):
+        """The inner strategy's other attributes (fsdp's settings), as `hputrain plan` reads them."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    @device.setter
+    def device(self, value) -> None:  # where fsdp materialises a meta model (the plan sets it)
+        self.inner.device = value
+
     def place(self, model, device):
         return self.inner.place(model, device)
 
