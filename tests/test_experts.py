@@ -13,7 +13,7 @@ import torch
 from hputrain.accelerators.cpu import CPUAccelerator
 from hputrain.execution import experts, kernels
 from hputrain.execution.experts.forward import ExpertWeights, combine, local_experts, route
-from hputrain.execution.experts.grouped import expert_of_rows, grouped_mm
+from hputrain.execution.experts.grouped import expert_of_rows, fixed_shape_grouped_mm, grouped_mm
 from hputrain.execution.experts.llama4 import StaticLlama4TextMoe
 
 from .conftest import requires_cuda
@@ -242,6 +242,15 @@ def test_grouped_mm_equals_a_loop_over_experts(counts, form):
                                    rtol=1e-5, atol=1e-5)
     if form == "fixed shape":
         assert (out[rows:] == 0).all()
+
+
+@pytest.mark.parametrize("tile", [1, 3, 16])
+def test_the_fixed_shape_form_is_exact_for_any_tile(tile):
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(12, 8, generator=g), torch.randn(5, 8, 4, generator=g)
+    offsets = torch.cumsum(torch.tensor([0, 7, 1, 0, 4]), 0)
+    torch.testing.assert_close(fixed_shape_grouped_mm(x, weight, offsets, tile),
+                               per_expert_loop(x, weight, offsets), rtol=1e-6, atol=1e-6)
 
 
 def test_the_cpu_kernel_is_torchs_grouped_mm_in_eager_mode_only():

@@ -10,6 +10,7 @@ graph whatever the routing (the lazy backends: Gaudi's, the CPU's TorchScript on
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
@@ -19,30 +20,82 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     row times its expert's matrix. Rows at or past `offsets[-1]` (padding) are unspecified: zero in
     the fixed-shape form, whatever the device's kernel leaves there; a caller with padding rows
     masks them."""
+    # one dtype for both operands: autocast's where it is on (as a linear layer's), else the
+    # weight's (torch's grouped_mm takes no autocast, and the tiles' backward needs one dtype)
+    dtype = torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else weight.dtype
+    x, weight = x.to(dtype), weight.to(dtype)
     kernel = accelerator.grouped_mm_kernel(x, weight) if accelerator is not None else None
     if kernel is None:
-        if not _autocast_on(x.device.type):
-            x = x.to(weight.dtype)
         return fixed_shape_grouped_mm(x, weight, offsets)
-    # torch's grouped_mm takes no autocast and one dtype: autocast's where it is on (as a linear
-    # layer's operands), else the weight's
-    dtype = torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else weight.dtype
-    return kernel(x.to(dtype), weight.to(dtype), offsets.to(torch.int32))
+    return kernel(x, weight, offsets.to(torch.int32))
 
 
-def fixed_shape_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The grouped product as one matrix product per expert over all S rows, each masked to that
-    expert's block: every shape is (S, ·) whatever the offsets, nothing is read back to the host,
-    and a row's result is its own expert's product plus exact zeros. It costs E times the
-    arithmetic of a grouped kernel; it is what runs where the device has no such kernel (and what
-    Optimum for Intel Gaudi trains Mixtral with)."""
-    expert = expert_of_rows(offsets, x.size(0))
-    out = None
-    for e in range(weight.size(0)):
-        product = x @ weight[e]
-        part = product * (expert == e).to(product.dtype).unsqueeze(-1)
-        out = part if out is None else out + part
-    return out
+def fixed_shape_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                           tile: int | None = None) -> torch.Tensor:
+    """The grouped product in shapes fixed by S and E alone: each expert's rows are laid out in
+    tiles of `tile` rows (default S/E rounded up), its last tile padded with zero rows; there are
+    at most S/tile + E tiles, so at most 2S + E rows for the default; each tile is multiplied by
+    its expert's matrix in one batched product. Everything is computed on the device from the
+    offsets (comparisons, running sums, embedding lookups: no division, no host read), and a row's
+    result is its own expert's product: the arithmetic of about twice a grouped kernel's, against
+    E times for masking every expert over all rows."""
+    rows, experts = x.size(0), weight.size(0)
+    tile = tile or max(1, -(-rows // experts))
+    layout = _TileLayout(offsets, rows, experts, tile)
+    x_tiles = F.embedding(layout.source.reshape(-1), x) * layout.valid.reshape(-1, 1).to(x.dtype)
+    y_tiles = _TileProducts.apply(x_tiles.view(layout.tiles, tile, -1), weight, layout.expert)
+    return F.embedding(layout.destination, y_tiles.reshape(layout.tiles * tile, -1))
+
+
+class _TileLayout:
+    """Where each expert's sorted rows go in the tiles, and back."""
+
+    def __init__(self, offsets: torch.Tensor, rows: int, experts: int, tile: int) -> None:
+        device = offsets.device
+        most = -(-rows // tile)  # the tiles one expert can need
+        self.tiles = most + experts  # and each expert's last one may be part-filled
+        ends = offsets.long()
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        counts = ends - starts
+        per_expert = (counts.unsqueeze(1) > torch.arange(most, device=device).unsqueeze(0) * tile).sum(1)
+        tile_ends = torch.cumsum(per_expert, 0)
+        tile_starts = tile_ends - per_expert
+        index = torch.arange(self.tiles, device=device)
+        owner = (index.unsqueeze(1) >= tile_ends.unsqueeze(0)).sum(1)  # E: a tile past the last
+        self.expert = owner.clamp(max=experts - 1)
+        # tile j's slot i holds expert e's row (j - tile_starts[e])·tile + i, if it has one
+        within = ((index - _pick(tile_starts, self.expert)).unsqueeze(1) * tile
+                  + torch.arange(tile, device=device).unsqueeze(0))
+        self.valid = (within < _pick(counts, self.expert).unsqueeze(1)) & (owner < experts).unsqueeze(1)
+        self.source = (_pick(starts, self.expert).unsqueeze(1) + within).clamp(max=rows - 1)
+        row_expert = expert_of_rows(offsets, rows).clamp(max=experts - 1)
+        self.destination = ((_pick(tile_starts * tile - starts, row_expert)
+                             + torch.arange(rows, device=device)).clamp(max=self.tiles * tile - 1))
+
+
+def _pick(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values[index] for integer tensors, as an embedding lookup (the lazy backends' indexing)."""
+    return F.embedding(index, values.unsqueeze(1)).squeeze(1)
+
+
+class _TileProducts(torch.autograd.Function):
+    """Each tile of rows times its expert's matrix: (tiles, tile, in) and (E, in, out) picked per
+    tile -> (tiles, tile, out). The picked matrices (one per tile) are not kept for backward:
+    backward picks them again, and sums the tiles' weight gradients per expert as one product."""
+
+    @staticmethod
+    def forward(ctx, x_tiles, weight, tile_expert):
+        ctx.save_for_backward(x_tiles, weight, tile_expert)
+        return torch.bmm(x_tiles, torch.index_select(weight, 0, tile_expert))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_tiles, weight, tile_expert = ctx.saved_tensors
+        grad_x = torch.bmm(grad, torch.index_select(weight, 0, tile_expert).transpose(1, 2))
+        per_tile = torch.bmm(x_tiles.transpose(1, 2), grad)
+        owns = tile_expert.unsqueeze(0) == torch.arange(weight.size(0), device=grad.device).unsqueeze(1)
+        grad_weight = (owns.to(grad.dtype) @ per_tile.reshape(per_tile.size(0), -1)).view(weight.shape)
+        return grad_x, grad_weight, None
 
 
 def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
