@@ -253,9 +253,11 @@ class _Threads:
     ("mixtral", 2, (5, 3), "random", "hputrain"),
     ("mixtral", 8, (4,) * 8, "random", "grouped_mm"),
     ("gpt_oss", 4, (6, 2, 4, 3), "random", "grouped_mm"),
-    ("qwen3_moe", 2, (4, 4), "one expert", "hputrain")],
+    ("qwen3_moe", 2, (4, 4), "one expert", "hputrain"),
+    ("deepseek_v3", 2, (3, 5), "random", "hputrain"),
+    ("olmoe", 4, (2, 2, 2, 2), "random", "hputrain")],
     ids=["mixtral ep2 uneven static", "mixtral ep8 one expert a rank", "gpt_oss ep4 biases",
-         "qwen3_moe ep2 every token to expert 0"])
+         "qwen3_moe ep2 every token to expert 0", "deepseek_v3 ep2", "olmoe ep4"])
 def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, ranks, tokens, routing, inner):
     """Each rank's experts module holds its E/ranks experts; tokens (a different count per rank)
     go to their experts' ranks and back, computed there by hputrain's static experts or
