@@ -44,6 +44,9 @@ class MoELayout:
     tokens: int = 0
     """Tokens of a micro-batch on one rank (T)."""
     element_bytes: int = 4
+    """Of the hidden states exchanged: the residual stream's dtype (the weights')."""
+    compute_bytes: int = 4
+    """Of the experts' products: the compute dtype (bf16 under bf16-mixed's autocast)."""
 
     @property
     def active_parameters(self) -> int:
@@ -78,7 +81,7 @@ class MoELayout:
     @property
     def intermediate_bytes(self) -> int:
         """One MoE layer's (rows, 2I) gate-and-up intermediate, in the compute dtype."""
-        return self.expert_rows * 2 * self.intermediate * self.element_bytes
+        return self.expert_rows * 2 * self.intermediate * self.compute_bytes
 
     def as_json(self) -> dict:
         return {"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
@@ -146,7 +149,8 @@ def moe_layout(model: torch.nn.Module, args, tokens: int) -> MoELayout | None:
         parameters=sum(p.numel() for p in _unique(model.parameters())),
         expert_parameters=sum(p.numel() for m in experts for p in m.parameters(recurse=False)),
         expert_parallel=max(1, int(getattr(args, "expert_parallel_size", 1) or 1)),
-        tokens=tokens, element_bytes=_element_bytes(args, up))
+        tokens=tokens, element_bytes=up.element_size(),
+        compute_bytes=2 if str(getattr(args, "precision", "")).startswith("bf16") else up.element_size())
 
 
 def _config_value(config, *names):
@@ -156,14 +160,6 @@ def _config_value(config, *names):
             if value:
                 return value
     return None
-
-
-def _element_bytes(args, weight) -> int:
-    """The bytes of one element of the tokens exchanged: the compute dtype's."""
-    precision = str(getattr(args, "precision", ""))
-    if precision.startswith(("bf16", "fp16")):
-        return 2
-    return weight.element_size()
 
 
 def _unique(params):
