@@ -184,9 +184,9 @@ def test_the_run_header_names_the_static_experts():
     assert kernels.describe(summary).endswith("experts: static ×2")
 
 
-@pytest.mark.parametrize("family, kind", [("mixtral", "mixture of experts (8 experts, top-2)"),
-                                          ("deepseek_v3", "mixture of experts (8 experts, top-2)"),
-                                          ("llama4_text", "mixture of experts (8 experts, top-1)")])
+@pytest.mark.parametrize("family, kind", [("mixtral", "mixture of experts: 8 experts, top-2"),
+                                          ("deepseek_v3", "mixture of experts: 8 experts, top-2"),
+                                          ("llama4_text", "mixture of experts: 8 experts, top-1")])
 def test_the_model_kind_comes_from_the_config(family, kind):
     from hputrain.models.kind import describe
 
@@ -207,7 +207,7 @@ def test_a_run_from_the_command_line_names_its_kind_and_experts(tmp_path, mixtra
           str(tmp_path / "out"), "--precision", "32", "--block-size", "32", "--max-steps", "2",
           "--per-device-train-batch-size", "2", "--save-steps", "-1", "--disable-tqdm"])
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.startswith("hputrain: MixtralForCausalLM, mixture of experts (8 experts, top-2), ")
+    assert header.startswith("hputrain: MixtralForCausalLM (mixture of experts: 8 experts, top-2), ")
     assert header.endswith(", experts: static ×2"), header
 
 

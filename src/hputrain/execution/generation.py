@@ -250,6 +250,10 @@ class DecodeStep(torch.nn.Module):
         names = _forward_parameters(inner)
         self.cache_name = "cache" if "cache" in names else "past_key_values"  # 5.x renamed it
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in names else {}
+        if getattr(inner.config, "output_router_logits", False):
+            # a mixture of experts' router loss over the cache-length mask is transformers' own
+            # (a shape error here), and a decode step needs no loss
+            self.keep_last["output_router_logits"] = False
 
     def set_prompt_mask(self, prompt_mask: torch.Tensor) -> None:
         """Which prompt columns are tokens (the completion columns always attend)."""

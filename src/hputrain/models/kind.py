@@ -19,6 +19,6 @@ def experts_and_top_k(config) -> tuple[int, int] | None:
 
 
 def describe(config) -> str:
-    """"mixture of experts (8 experts, top-2)" or "dense"."""
+    """"mixture of experts: 8 experts, top-2" or "dense"."""
     moe = experts_and_top_k(config)
-    return f"mixture of experts ({moe[0]} experts, top-{moe[1]})" if moe else "dense"
+    return f"mixture of experts: {moe[0]} experts, top-{moe[1]}" if moe else "dense"

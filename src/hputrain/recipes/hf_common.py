@@ -30,16 +30,16 @@ def model_line(trainer, model, options) -> str:
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    name = _class_name(model)
+    kind = describe_kind(model.config) if hasattr(model, "config") else "dense"
+    name = f"{_class_name(model)} ({kind})"
     if options.lora_r:
         peft_config = next(iter(model.peft_config.values()))
         targets = peft_config.target_modules
         targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
         if getattr(peft_config, "target_parameters", None):  # the experts' fused weights
             targets = ", ".join(filter(None, [targets, *sorted(peft_config.target_parameters)]))
-        name = f"{_class_name(model.get_base_model())} + LoRA r={options.lora_r} on {targets}"
-    kind = describe_kind(model.config) if hasattr(model, "config") else "dense"
-    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, {kind}, "
+        name = f"{_class_name(model.get_base_model())} ({kind}) + LoRA r={options.lora_r} on {targets}"
+    return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
