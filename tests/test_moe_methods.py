@@ -188,6 +188,22 @@ def test_grpo_on_moe_loss_is_trls_on_a_direct_forwards_log_probs(moe_folders, tm
     assert any(".experts." in name for name in moved(before, dict(model.named_parameters())))
 
 
+def test_grpo_rollouts_of_a_config_that_asks_for_the_router_loss(moe_folders, tmp_path):  # noqa: F811
+    """A config with output_router_logits (how MoE fine-tuning is configured): the rollouts' static
+    decode step asks for no router loss (transformers' own over the cache-length mask was a shape
+    error), and training adds the router's loss, logged as aux_loss."""
+    folder = moe_folders("mixtral", **ROUTER_LOSS)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in GRPO_PROMPTS])
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def tens(prompts, completions, completion_ids, **_):\n"
+                       "    return [sum(t % 10 == 0 for t in ids) / len(ids) for ids in completion_ids]\n")
+    rows = train(tmp_path / "out", "--model", str(folder), "--dataset", str(prompts),
+                 "--reward-funcs", f"{rewards}:tens", "--max-steps", "1",
+                 "--num-generations", "2", "--max-completion-length", "4",
+                 "--per-device-train-batch-size", "2")
+    assert rows and rows[-1]["aux_loss"] > 0
+
+
 # -- reward models ----------------------------------------------------------------------------------
 
 def reward_folder(causal_folder: Path, where: Path) -> Path:
