@@ -161,7 +161,7 @@ def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
 
     if EXPERT_PARALLEL not in ALL_EXPERTS_FUNCTIONS:
         raise RuntimeError("the expert-parallel forward is not registered with transformers: call "
-                           "hputrain.execution.experts.parallel.register() (the recipes do)")
+                           "hputrain.execution.experts.parallel.register() (the Trainer's set-up does)")
     found = experts_modules(model)
     if not found:
         other = _unsupported_experts(model)

@@ -269,12 +269,11 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
 
 def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
-    """An expert-parallel layout the model and the world allow (one line otherwise), and the
-    expert-parallel forward made known to transformers (distributed/expert_parallel.py)."""
+    """An expert-parallel layout the model and the world allow (one line otherwise, before any
+    weight is read; distributed/expert_parallel.py)."""
     import transformers
 
     from ..distributed.expert_parallel import check_expert_parallel
-    from ..execution.experts.parallel import register
 
     size = training_args.expert_parallel_size
     if options.lora_r and "experts" in (options.lora_target_modules or []):
@@ -286,7 +285,6 @@ def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
     check_expert_parallel(size, world, config=config, model_name=options.model,
                           context_parallel_size=training_args.context_parallel_size,
                           strategy=training_args.strategy)
-    register()
 
 
 def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):

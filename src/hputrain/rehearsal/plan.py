@@ -300,9 +300,6 @@ def _prepare(model, args, group, accelerator):
         strategy.device = torch.device("cpu")  # where the trace runs (nothing is placed: fake)
     if group is not None and _expert_parallel_size(args) > 1:  # the experts split, as selected
         from ..distributed.expert_parallel import ExpertParallel
-        from ..execution.experts.parallel import register
-
-        register()  # the expert-parallel forward, as the recipe makes it known
 
         strategy = ExpertParallel(strategy, group, _expert_parallel_size(args))
     prepared = prepare_model(model, args, settings, accelerator=accelerator, precision=precision,

@@ -32,10 +32,6 @@ def measure_step(step: StepModel, args, output_dir: str) -> tuple[Trace, bool]:
     args = dataclasses.replace(args, output_dir=output_dir, max_steps=3, save_steps=-1,
                                logging_steps=10, disable_tqdm=True, report_to="none",
                                eval_steps=0)
-    if getattr(args, "expert_parallel_size", 1) > 1:
-        from ..execution.experts.parallel import register
-
-        register()  # the expert-parallel forward, as the recipe makes it known
     torch.manual_seed(0)
     model = step.build(step.lora)
     peak = StepPeak(3)

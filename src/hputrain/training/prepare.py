@@ -24,6 +24,7 @@ import torch
 from ..data.batching import model_input_names
 from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..execution import kernels as device_kernels
+from ..execution.experts import parallel as expert_parallel
 from ..execution import modes as execution
 from .packed import PackedInputs
 
@@ -67,6 +68,8 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         accelerator.attention_recompute = args.attention_recompute
     with _real_tensors():
         kernels = device_kernels.substitute(model, accelerator, args.fused_kernels)
+    if getattr(args, "expert_parallel_size", 1) > 1:  # the forward the strategy's split selects
+        expert_parallel.register()
     placed = precision.convert_module(model)
     if device is not None:
         placed = strategy.place(placed, device)
