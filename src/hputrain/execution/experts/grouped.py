@@ -40,7 +40,9 @@ def fixed_shape_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch
     result is its own expert's product: the arithmetic of about twice a grouped kernel's, against
     E times for masking every expert over all rows."""
     rows, experts = x.size(0), weight.size(0)
-    tile = tile or max(1, -(-rows // experts))
+    if rows == 0:
+        return x.new_zeros(0, weight.size(2))
+    tile = tile or -(-rows // experts)
     layout = _TileLayout(offsets, rows, experts, tile)
     x_tiles = F.embedding(layout.source.reshape(-1), x) * layout.valid.reshape(-1, 1).to(x.dtype)
     y_tiles = _TileProducts.apply(x_tiles.view(layout.tiles, tile, -1), weight, layout.expert)
