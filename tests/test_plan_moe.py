@@ -116,3 +116,15 @@ def test_expert_parallel_on_2_processes_is_within_10_percent_of_the_measured_ste
     planned_, measured_ = check(flags(mixtral_folder, "--expert-parallel-size", "2",
                                       "--strategy", strategy), tmp_path)
     assert planned_.breakdown["optimizer"] == pytest.approx(measured_["breakdown"]["optimizer"], rel=0.02)
+
+
+@pytest.mark.parametrize("family", ["llama4_text", "gpt_oss"])
+def test_transposed_experts_give_the_intermediates_of_the_config(family, moe_folders, capsys):
+    """GPT-OSS's experts say they are transposed, Llama 4's are without saying so: the (T·k, 2I)
+    intermediates are of the config's expert intermediate size either way."""
+    folder = moe_folders(family)
+    assert main(["plan", "--json", *flags(folder)]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    config = transformers.AutoConfig.from_pretrained(folder)
+    pairs = 4 * 128 * config.num_experts_per_tok
+    assert moe["intermediate_bytes_per_layer"] == pairs * 2 * config.intermediate_size * 4

@@ -140,9 +140,10 @@ def moe_layout(model: torch.nn.Module, args, tokens: int) -> MoELayout | None:
     up = getattr(first, "gate_up_proj", None)
     gated = up is not None
     up = first.gate_up_proj if gated else first.up_proj
-    transposed = bool(getattr(first, "is_transposed", False))
-    width = up.shape[1] if transposed else up.shape[2]  # the hidden size
-    inner = up.shape[2] if transposed else up.shape[1]
+    # (E, out, in) or transposed (E, in, out): the hidden size is the config's, the other the
+    # intermediate's (Llama 4's experts are transposed without saying so)
+    width = _config_value(config, "hidden_size") or up.shape[2]
+    inner = up.shape[2] if up.shape[1] == width else up.shape[1]
     return MoELayout(
         layers=len(experts), experts=count, top_k=int(top_k), hidden=int(width),
         intermediate=int(inner // 2 if gated else inner),
