@@ -165,14 +165,11 @@ def test_lora_on_the_experts_is_the_same_under_every_experts_implementation(moe_
 
 
 def _implementations(model) -> list[str]:
-    """eager, the model's default, transformers' own that run in fp32 on a CPU (batched_mm,
-    grouped_mm where torch has it) and any registered beside them (hputrain's)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    cuda_or_bf16_only = {"deepgemm", "sonicmoe"}
+    """eager, the model's default, and transformers' own that run in fp32 on a CPU (batched_mm,
+    grouped_mm where torch has it); not the expert-parallel forward, which runs on a split model
+    only, nor deepgemm and sonicmoe (CUDA, bf16)."""
     names = ["eager", model.config._experts_implementation, "batched_mm"]
     names += ["grouped_mm"] if hasattr(torch, "_grouped_mm") else []
-    names += [name for name in ALL_EXPERTS_FUNCTIONS if name not in cuda_or_bf16_only]
     return list(dict.fromkeys(names))
 
 
