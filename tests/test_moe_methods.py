@@ -26,13 +26,13 @@ from .test_grpo import config as grpo_config
 from .test_grpo import tens
 from .test_reward_model import MARGINS
 from .test_reward_model import scores as reward_scores
+from .test_sft_recipe import reference_loss
 
 transformers = pytest.importorskip("transformers")
 
 from hputrain import GRPOConfig, GRPOTrainer, grpo_loss  # noqa: E402,F401
 from hputrain.cli import main  # noqa: E402
 from hputrain.config.grpo import RewardConfig  # noqa: E402
-from hputrain.data import sft  # noqa: E402
 from hputrain.data.preference import encode_pairs  # noqa: E402
 from hputrain.training.reward import RewardTrainer  # noqa: E402
 
@@ -92,28 +92,13 @@ def completion_rows() -> list[dict]:
             for i in range(10)]
 
 
-def per_example_loss(folder: Path, rows: list[dict]) -> tuple[float, int]:
-    """Summed cross-entropy over the learned tokens / their number: each example alone."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    model = causal(folder)
-    examples, _ = sft.encode_rows(rows, tokenizer)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for example in examples:
-            logits = model(torch.tensor([example["input_ids"]])).logits[0, :-1]
-            targets = torch.tensor(example["labels"][1:])
-            total += torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum").item()
-            count += int((targets != -100).sum())
-    return total / count, count
-
-
 @pytest.mark.parametrize("family", SLOW_SECOND)
 def test_packed_sft_on_moe_is_the_per_example_loss_and_lora_leaves_router_and_experts(
         moe_folders, tmp_path, capsys, family):  # noqa: F811
     folder = moe_folders(family, **ROUTER_LOSS)
     rows = completion_rows()
     data = write_jsonl(tmp_path / "sft.jsonl", rows)
-    expected, count = per_example_loss(folder, rows)
+    expected, count = reference_loss(folder, rows)
     assert main(["evaluate", "--model", str(folder), "--dataset", str(data), "--json",
                  "--block-size", "64"]) == 0  # packed: several examples a block
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
