@@ -48,7 +48,7 @@ def test_send_buffer_rows_do_not_depend_on_the_routing(routing, experts, ranks, 
 # -- the one-line refusals (item 9) ----------------------------------------------------------------
 
 def test_layout_refusals_name_the_numbers():
-    config = type("Config", (), {"num_local_experts": 8, "model_type": "mixtral"})()
+    config = type("Config", (), {"num_local_experts": 8, "num_experts_per_tok": 2, "model_type": "mixtral"})()
     with pytest.raises(InputError, match=r"tiny-mixtral has 8 experts, which expert_parallel_size=3"):
         check_expert_parallel(3, 3, config=config, model_name="tiny-mixtral")
     with pytest.raises(InputError, match=r"expert_parallel_size=4 must divide the 2 processes"):
@@ -60,7 +60,7 @@ def test_layout_refusals_name_the_numbers():
     dense = type("Config", (), {"model_type": "llama"})()
     with pytest.raises(InputError, match=r"has none"):
         check_expert_parallel(2, 2, config=dense, model_name="llama")
-    llama4 = type("Config", (), {"num_local_experts": 8, "model_type": "llama4_text"})()
+    llama4 = type("Config", (), {"num_local_experts": 8, "num_experts_per_tok": 1, "model_type": "llama4_text"})()
     with pytest.raises(InputError, match=r"outside transformers' ExpertsInterface"):
         check_expert_parallel(2, 2, config=llama4, model_name="llama4")
     with pytest.raises(InputError, match=r"strategy ddp or fsdp, not 'fast_ddp'"):

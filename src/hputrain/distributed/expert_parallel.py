@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InputError
+from ..models.kind import experts_and_top_k
 from .strategies import Strategy
 
 #: The name of the expert-parallel forward in transformers' ExpertsInterface
@@ -36,8 +37,6 @@ from .strategies import Strategy
 EXPERT_PARALLEL = "hputrain_expert_parallel"
 #: The attribute under which an experts module carries its ExpertShard.
 SHARD_ATTRIBUTE = "hputrain_expert_shard"
-#: The config attributes that give a mixture-of-experts model's number of routed experts.
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 #: Families whose experts do not go through the ExpertsInterface (Llama 4's MoE block).
 _UNSPLIT_FAMILIES = ("llama4",)
 
@@ -64,17 +63,6 @@ class ExpertShard:
         return self.num_experts // self.size
 
 
-def expert_count(config) -> int | None:
-    """A model config's number of routed experts, None for a dense model (a multimodal config's
-    text part is looked at too)."""
-    for source in (config, getattr(config, "text_config", None)):
-        for name in _EXPERT_COUNTS:
-            value = getattr(source, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
 def check_expert_parallel(size: int, world_size: int, *, config=None, model_name: str = "the model",
                           context_parallel_size: int = 1, strategy: str = "auto") -> None:
     """The one-line refusals of an expert-parallel layout, before any process starts or any weight
@@ -93,7 +81,7 @@ def check_expert_parallel(size: int, world_size: int, *, config=None, model_name
                          f"{strategy!r}")
     if config is None:
         return
-    experts = expert_count(config)
+    experts = (experts_and_top_k(config) or (None,))[0]
     if experts is None:
         raise InputError(f"expert_parallel_size={size} splits a mixture-of-experts model's experts, "
                          f"and {model_name} ({getattr(config, 'model_type', '?')}) has none: set "

@@ -41,6 +41,7 @@ import re
 import torch
 
 from ..data.batching import base_model
+from ..models.kind import experts_and_top_k
 
 AUX_LOSS = "aux_loss"
 MAX_LOAD = "router/max_load.layer{}"
@@ -123,10 +124,8 @@ def router_of(model: torch.nn.Module, coef_flag: float | None, group, accumulate
     own = next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("torch.distributed"))
     module = inspect.getmodule(own)
     config = getattr(base, "config", None)
-    # a causal LM holds its counts; a sequence classifier (a reward model) has them in its config
-    experts = (getattr(base, "num_experts", None) or getattr(config, "num_local_experts", None)
-               or getattr(config, "num_experts", None))
-    top_k = getattr(base, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None)
+    # from the config (a sequence classifier, a reward model, holds no counts of its own)
+    experts, top_k = experts_and_top_k(config) or (None, None)
     recorded = _recorded_router(base)
     if recorded is None or getattr(module, "load_balancing_loss_func", None) is None or not (
             experts and top_k):
