@@ -244,7 +244,9 @@ def test_one_process_final_round_trip(folders, tmp_path):
     trained = logits_of(trainer.model)
     assert not torch.equal(trained, logits_of(transformers.AutoModelForCausalLM.from_pretrained(
         folders["mixtral"], dtype=torch.float32)))
-    assert torch.equal(logits_of(loaded), trained)
+    # the trained model runs hputrain's static experts, the loaded one transformers' default:
+    # the same weights, summed in another order
+    torch.testing.assert_close(logits_of(loaded), trained, rtol=1e-5, atol=1e-6)
 
 
 # -- several processes ---------------------------------------------------------------------------

@@ -76,8 +76,14 @@ def test_pairs_plan_the_reference_and_twice_the_rows(llama, data):
                                       "--precompute-ref-log-probs"))
     assert dpo.breakdown["parameters"] == pytest.approx(2 * lm.breakdown["parameters"], rel=0.02)
     # twice the rows, but the log-probs are taken in chunks (training/logps.py): never the two
-    # rows' whole float32 logits, which the language model's loss keeps
-    assert lm.breakdown["activations"] < dpo.breakdown["activations"] < 2 * lm.breakdown["activations"]
+    # rows' whole float32 logits, which the language model's loss keeps. Measured: since the plan
+    # stopped counting a block mask that unpacked rows never hold (issue 40), the causal-LM plan
+    # equals its step and the DPO plan lies 6% above its own (within the 10% of the test above),
+    # which would blur a bound this close
+    lm_step = measured(llama_flags(llama, "--precision", "fp32"))
+    dpo_step = measured(llama_flags(llama, "--precision", "fp32", "--dataset", str(data / "pairs.jsonl")))
+    assert lm.breakdown["activations"] < dpo.breakdown["activations"]
+    assert lm_step.breakdown["activations"] < dpo_step.breakdown["activations"] < 2 * lm_step.breakdown["activations"]
     assert precomputed.breakdown["parameters"] == lm.breakdown["parameters"]
     assert dpo.peak_bytes > 1.3 * lm.peak_bytes
 
