@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from .hf_fixtures import tiny_llama_folder
+from .hf_fixtures import _transformers_major, tiny_llama_folder
 from .test_distributed import ROOT, hputrain_launch
 
 pytest.importorskip("transformers")
@@ -143,6 +143,8 @@ def renamed_folder(source, target, drop: str | None = None):
     return target
 
 
+@pytest.mark.skipif(_transformers_major() < 5, reason="transformers 4 has no key mapping to follow: "
+                    "such a folder falls back to from_pretrained there (the next test)")
 def test_base_model_names_load_shard_by_shard_as_from_pretrained_maps_them(tmp_path, folders):
     from hputrain.distributed.fsdp import materialise, weight_source
     from hputrain.recipes import hf
@@ -160,7 +162,9 @@ def test_names_that_do_not_map_fall_back_to_from_pretrained_with_one_line(tmp_pa
     model, _ = hf.load_model(folder, sharded=True)
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "every rank loads the whole model" in out[0]
-    assert "model.norm.weight is not among the files' tensors" in out[0]
+    # transformers 5 maps the other base-model names onto the model's; 4 maps none of them
+    missing = "model.norm.weight" if _transformers_major() >= 5 else "model.embed_tokens.weight"
+    assert f"{missing} is not among the files' tensors" in out[0]
     assert not any(p.is_meta for p in model.parameters())
     # from_pretrained draws the missing norm as the model's init does: ones, as it was saved
     assert_bit_equal(reference(folders["tied"]), {k: v.detach() for k, v in model.state_dict().items()})
