@@ -258,6 +258,20 @@ def test_the_fixed_shape_form_is_exact_for_any_tile(tile):
                                per_expert_loop(x, weight, offsets), rtol=1e-6, atol=1e-6)
 
 
+def test_the_up_and_down_products_share_one_tile_layout(monkeypatch):
+    """The fixed-shape form lays the sorted rows out in tiles once per buffer, not per product."""
+    from hputrain.execution.experts import grouped
+
+    made = []
+    layout = grouped._TileLayout
+    monkeypatch.setattr(grouped, "_TileLayout", lambda *a: made.append(a) or layout(*a))
+    module = first_experts(build("mixtral"))
+    r = route(routing("random", TOKENS, 2, module.num_experts), module.num_experts)
+    hidden = torch.randn(TOKENS * 2, module.config.hidden_size)
+    local_experts(ExpertWeights.of(module), hidden, r.offsets)  # no accelerator: the tiles
+    assert len(made) == 1
+
+
 def test_the_cpu_kernel_is_torchs_grouped_mm_in_eager_mode_only():
     x, weight = torch.randn(4, 8), torch.randn(2, 8, 8)
     assert CPUAccelerator("eager").grouped_mm_kernel(x, weight) is not None

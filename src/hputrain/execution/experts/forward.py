@@ -109,10 +109,12 @@ def _layout(module) -> tuple[bool, bool, bool, bool]:
 
 
 def local_experts(weights: ExpertWeights, x_sorted: torch.Tensor, offsets: torch.Tensor,
-                  mm: Callable = grouped_mm) -> torch.Tensor:
+                  accelerator=None) -> torch.Tensor:
     """The experts on rows sorted by expert: `x_sorted` (S, hidden), `offsets` (E,) the end of
-    each expert's rows -> (S, hidden). `mm` is the grouped product (grouped.grouped_mm, bound to
-    an accelerator). Rows past offsets[-1] are unspecified."""
+    each expert's rows -> (S, hidden), the grouped products on `accelerator`'s kernel (None: the
+    fixed-shape form). Rows past offsets[-1] are unspecified."""
+    layouts: dict = {}  # both projections share the offsets, so the fixed-shape form's tiles
+    mm = partial(grouped_mm, accelerator=accelerator, layouts=layouts)
     expert = None
     if weights.up_bias is not None or weights.down_bias is not None:
         # the bias of each row's expert, looked up as an embedding (the lazy backends index that
@@ -141,6 +143,12 @@ def combine(out_sorted: torch.Tensor, routing: Routing, top_k_weights: torch.Ten
     return out.sum(1)
 
 
+def accelerator_of(module: torch.nn.Module):
+    """The accelerator whose kernels `module` runs (kernels.substitute gave it), or None."""
+    shared = getattr(module, "_hputrain_kernels", None)
+    return shared.accelerator if shared is not None else None
+
+
 def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ExpertsInterface contract: (T, hidden) states, (T, k) expert numbers and
@@ -151,14 +159,13 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    shared = getattr(self, "_hputrain_kernels", None)
-    accelerator = shared.accelerator if shared is not None else None
+    accelerator = accelerator_of(self)
     if accelerator is not None and (fused := _fused(self, accelerator, hidden_states, top_k_index,
                                                     top_k_weights)) is not None:
         return fused
     routing = route(top_k_index, self.num_experts)
     out = local_experts(ExpertWeights.of(self), F.embedding(routing.tokens, hidden_states),
-                        routing.offsets, partial(grouped_mm, accelerator=accelerator))
+                        routing.offsets, accelerator)
     return combine(out, routing, top_k_weights, top_k_index.size(-1)).to(hidden_states.dtype)
 
 

@@ -14,24 +14,25 @@ import torch.nn.functional as F
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-               accelerator=None) -> torch.Tensor:
+               accelerator=None, layouts: dict | None = None) -> torch.Tensor:
     """`x` (S, in) sorted by expert, `weight` (E, in, out), `offsets` (E,) integers: where each
     expert's rows end (the running sum of the rows per expert, a device tensor) -> (S, out), each
     row times its expert's matrix. Rows at or past `offsets[-1]` (padding) are unspecified: zero in
     the fixed-shape form, whatever the device's kernel leaves there; a caller with padding rows
-    masks them."""
+    masks them. `layouts` keeps the fixed-shape form's tile layout between the products of one
+    sorted buffer (the experts' up and down projections share their offsets)."""
     # one dtype for both operands: autocast's where it is on (as a linear layer's), else the
     # weight's (torch's grouped_mm takes no autocast, and the tiles' backward needs one dtype)
     dtype = torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else weight.dtype
     x, weight = x.to(dtype), weight.to(dtype)
     kernel = accelerator.grouped_mm_kernel(x, weight) if accelerator is not None else None
     if kernel is None:
-        return fixed_shape_grouped_mm(x, weight, offsets)
+        return fixed_shape_grouped_mm(x, weight, offsets, layouts=layouts)
     return kernel(x, weight, offsets.to(torch.int32))
 
 
 def fixed_shape_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                           tile: int | None = None) -> torch.Tensor:
+                           tile: int | None = None, layouts: dict | None = None) -> torch.Tensor:
     """The grouped product in shapes fixed by S and E alone: each expert's rows are laid out in
     tiles of `tile` rows (default S/E rounded up), its last tile padded with zero rows; there are
     at most S/tile + E tiles, so at most 2S + E rows for the default; each tile is multiplied by
@@ -43,7 +44,12 @@ def fixed_shape_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch
     if rows == 0:
         return x.new_zeros(0, weight.size(2))
     tile = tile or -(-rows // experts)
-    layout = _TileLayout(offsets, rows, experts, tile)
+    key = (rows, experts, tile)  # the layout of these offsets, made once (see grouped_mm)
+    layout = layouts.get(key) if layouts is not None else None
+    if layout is None:
+        layout = _TileLayout(offsets, rows, experts, tile)
+        if layouts is not None:
+            layouts[key] = layout
     x_tiles = F.embedding(layout.source.reshape(-1), x) * layout.valid.reshape(-1, 1).to(x.dtype)
     y_tiles = _TileProducts.apply(x_tiles.view(layout.tiles, tile, -1), weight, layout.expert)
     return F.embedding(layout.destination, y_tiles.reshape(layout.tiles * tile, -1))

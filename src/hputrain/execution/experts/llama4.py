@@ -11,14 +11,11 @@ the static route -> grouped experts -> combine path. An expert given a zero inpu
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .forward import ExpertWeights, combine, local_experts, route
-from .grouped import grouped_mm
+from .forward import ExpertWeights, accelerator_of, combine, local_experts, route
 
 
 def is_llama4_moe(module: nn.Module) -> bool:
@@ -57,9 +54,7 @@ class StaticLlama4TextMoe(nn.Module):
         routing = route(top_k_index, self.num_experts)
         pair_scores = scores.gather(1, top_k_index).reshape(-1, 1)
         x_sorted = F.embedding(routing.tokens, hidden) * F.embedding(routing.order, pair_scores)
-        accelerator = self._hputrain_kernels.accelerator if self._hputrain_kernels is not None else None
-        routed = local_experts(llama4_weights(self.experts), x_sorted, routing.offsets,
-                               partial(grouped_mm, accelerator=accelerator))
+        routed = local_experts(llama4_weights(self.experts), x_sorted, routing.offsets, accelerator_of(self))
         out = self.shared_expert(hidden)
         return out + combine(routed, routing, None, self.top_k).to(out.dtype), router_logits
 

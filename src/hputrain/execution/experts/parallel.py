@@ -19,15 +19,12 @@ stays whole on every rank. For T tokens routed to k experts each:
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...distributed.expert_parallel import EXPERT_PARALLEL, SHARD_ATTRIBUTE
-from .forward import NAME, ExpertWeights, combine, local_experts, route
-from .grouped import grouped_mm
+from .forward import NAME, ExpertWeights, accelerator_of, combine, local_experts, route
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,9 +100,8 @@ def _local_experts(self, shard, rows: torch.Tensor, ids: torch.Tensor) -> torch.
     ids past its experts as expert-parallel sentinels."""
     if shard.inner == NAME:
         routing = route(ids.unsqueeze(1), shard.local_experts)
-        shared = getattr(self, "_hputrain_kernels", None)
-        product = partial(grouped_mm, accelerator=shared.accelerator if shared is not None else None)
-        out = local_experts(ExpertWeights.of(self), F.embedding(routing.tokens, rows), routing.offsets, product)
+        out = local_experts(ExpertWeights.of(self), F.embedding(routing.tokens, rows), routing.offsets,
+                            accelerator_of(self))
         out = combine(out, routing, None, 1)
     else:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
