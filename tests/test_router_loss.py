@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def tiny_model(family: str, **overrides):
 
 
 def router_for(model, coef=None):
-    return routing.router_of(model, coef, ProcessGroup(0, 0, 1, "gloo"), 1, None)
+    args = SimpleNamespace(router_aux_loss_coef=coef, gradient_accumulation_steps=1)
+    return routing.router_of(model, args, ProcessGroup(0, 0, 1, "gloo"), None)
 
 
 def recorded_aux(router, model, mask, **inputs) -> torch.Tensor:

@@ -116,9 +116,11 @@ class NoRouter:
         return inner if inner is not None else contextlib.nullcontext()
 
 
-def router_of(model: torch.nn.Module, coef_flag: float | None, group, accumulate: int,
-              inputs: frozenset[str] | None, device: torch.device | None = None):
-    """The model's Router, or NoRouter for a model without the load-balancing loss."""
+def router_of(model: torch.nn.Module, args, group, inputs: frozenset[str] | None,
+              device: torch.device | None = None):
+    """The model's Router, or NoRouter for a model without the load-balancing loss; `args` (the
+    TrainingArguments) give its weight (router_aux_loss_coef) and the micro-batches of a step."""
+    coef_flag, accumulate = args.router_aux_loss_coef, args.gradient_accumulation_steps
     base = base_model(model)
     # the model's own class: fully_shard makes it a subclass FSDP<Class> in torch's module
     own = next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("torch.distributed"))

@@ -123,8 +123,7 @@ class Trainer(CallbackHost):
         # the training method (objective.py): language modelling unless a method says otherwise
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
-        self.router = router_of(self.model, args.router_aux_loss_coef, self.group,  # MoE: router.py
-                                args.gradient_accumulation_steps, self.inputs, self.device)
+        self.router = router_of(self.model, args, self.group, self.inputs, self.device)  # MoE
         self.context_parallel = self._context_parallel()
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
