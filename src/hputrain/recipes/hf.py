@@ -105,6 +105,19 @@ class HFOptions(GRPOOptions, PreferenceOptions):
     """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else
     all-linear; on a mixture of experts, every linear layer but the routers. There "experts" adapts
     the experts' fused weights (PEFT's target_parameters) and a router's name (gate) the router."""
+    train_vision_tower: bool = False
+    """An image-text-to-text model: train the vision tower too (under LoRA, adapters on its
+    linear layers); by default it is frozen."""
+    train_projector: bool | None = None
+    """An image-text-to-text model: train the projector (vision features into the text width);
+    unset means yes for full fine-tuning, no under LoRA (where it is then trained whole)."""
+    image_buckets: list[str] | None = None
+    """Image sizes, WIDTHxHEIGHT, each image is resized into (the nearest in shape): each a fixed
+    number of image tokens; unset means the processor's one size (LLaVA, Gemma 3), or three of
+    equal token count, square, wide and tall (Qwen2.5-VL). Every bucket must give the same count."""
+    image_slots: int | None = None
+    """Images per packed block (the vision tower's fixed batch, padded with blank images); unset
+    means the mean images per block of the packed data, at least the most of one example."""
     center_rewards_coefficient: float | None = None
     """--method reward: add this times the squared sum of each pair's two rewards to the loss,
     which keeps rewards centred on 0 (TRL's name; 0.01 in the paper that proposed it)."""
@@ -133,6 +146,8 @@ class HFOptions(GRPOOptions, PreferenceOptions):
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
         if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.image_slots is not None and self.image_slots < 1:
+            raise ConfigError(f"image_slots must be at least 1, got {self.image_slots}")
         if self.lora_target_modules is not None and not self.lora_target_modules:
             raise ConfigError("--lora-target-modules needs at least one module name (or leave it out)")
 
