@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_fixtures import tiny_tokenizer
+from .hf_fixtures import tiny_tokenizer
 
 FAMILIES = ("llava", "gemma3", "qwen2_5_vl")
 """The families every vision test covers."""
