@@ -1,5 +1,6 @@
-"""A Hugging Face model's kind, from its config, for the run header: a mixture of experts (how
-many experts, how many per token) or dense."""
+"""A Hugging Face model's kind, from its config, for the run header: an image-text-to-text model
+(its family: models/vision.py), a mixture of experts (how many experts, how many per token) or
+dense."""
 from __future__ import annotations
 
 # the config fields transformers' MoE families name their expert count and top-k with
@@ -19,6 +20,10 @@ def experts_and_top_k(config) -> tuple[int, int] | None:
 
 
 def describe(config) -> str:
-    """"mixture of experts: 8 experts, top-2" or "dense"."""
+    """"image-text-to-text: LLaVA", "mixture of experts: 8 experts, top-2" or "dense"."""
+    from .vision import describe as describe_vision, is_image_text_to_text
+
+    if is_image_text_to_text(config):
+        return describe_vision(config)
     moe = experts_and_top_k(config)
     return f"mixture of experts: {moe[0]} experts, top-{moe[1]}" if moe else "dense"
