@@ -49,15 +49,19 @@ def chat_template(family: str, tagged: bool = False) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def vlm_tokenizer():
-    """tiny_tokenizer with the families' special tokens, Gemma 3's named ones as attributes."""
+def vlm_tokenizer(image_token: str = "<image_soft_token>"):
+    """tiny_tokenizer with the families' special tokens, Gemma 3's named ones as attributes
+    (`image_token`: the one a processor expands, LLaVA's "<image>"). transformers 5 takes no
+    additional_special_tokens argument: the unnamed ones are added as special tokens after."""
     transformers = pytest.importorskip("transformers")
     base = tiny_tokenizer()
-    return transformers.PreTrainedTokenizerFast(
+    tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", additional_special_tokens=SPECIAL,
+        pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"})
+                              "image_token": image_token})
+    tokenizer.add_tokens([t for t in SPECIAL if t not in tokenizer.get_vocab()], special_tokens=True)
+    return tokenizer
 
 
 def _text(vocab_size: int) -> dict:
@@ -127,7 +131,7 @@ def tiny_vlm_folder(folder: Path, family: str = "llava", seed: int = 0, tagged: 
     import torch
     transformers = pytest.importorskip("transformers")
 
-    tokenizer = vlm_tokenizer()
+    tokenizer = vlm_tokenizer("<image>" if family == "llava" else "<image_soft_token>")
     template = chat_template(family, tagged)
     torch.manual_seed(seed)
     config = tiny_vlm_config(family, tokenizer, **config_overrides)
