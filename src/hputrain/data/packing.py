@@ -91,28 +91,50 @@ def truncate(examples: list[dict], max_length: int) -> tuple[list[dict], Packing
     return kept, stats
 
 
-def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+def best_fit_decreasing(lengths: list[int], capacity: int, counts: list[int] | None = None,
+                        slots: int = 0) -> list[list[int]]:
     """Bins of indices into `lengths`, each bin's lengths summing to at most `capacity`: longest
     first, each into the open bin it fills the most (among equals, the one that has had that room
     longest), or else a new bin.
+    With `counts` (each item's images), a bin also holds items of at most `slots` counts in all:
+    an item goes into the open bin it fills the most among those with the slots it needs (among
+    equal rooms, the one with the fewest slots left).
     Bins come in the order they were opened, their indices in the order they were placed."""
     if any(n < 1 or n > capacity for n in lengths):
         raise ValueError(f"every length must be between 1 and the capacity {capacity}")
+    if counts is None:
+        counts = [0] * len(lengths)
+    elif len(counts) != len(lengths) or any(c < 0 or c > slots for c in counts):
+        raise ValueError(f"every count must be between 0 and the slots {slots}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
-    open_bins = _OpenBins(capacity)
+    free: list[int] = []
+    open_bins = [_OpenBins(capacity) for _ in range(slots + 1)]  # by the slots a bin has left
     for i in order:
-        b = open_bins.take_at_least(lengths[i])
+        b = _best_open(open_bins, lengths[i], counts[i])
         if b is None:
             b = len(bins)
             bins.append([])
             room.append(capacity)
+            free.append(slots)
         bins[b].append(i)
         room[b] -= lengths[i]
+        free[b] -= counts[i]
         if room[b] > 0:
-            open_bins.put(room[b], b)
+            open_bins[free[b]].put(room[b], b)
     return bins
+
+
+def _best_open(open_bins: list[_OpenBins], length: int, count: int) -> int | None:
+    """The open bin (taken out of `open_bins`, indexed by slots left) with the least room of at
+    least `length` among those with at least `count` slots left, or None."""
+    best = None
+    for slots_left in range(count, len(open_bins)):
+        room = open_bins[slots_left].least_at_least(length)
+        if room is not None and (best is None or room < best[0]):
+            best = (room, slots_left)
+    return None if best is None else open_bins[best[1]].take(best[0])
 
 
 class _OpenBins:
@@ -131,7 +153,8 @@ class _OpenBins:
             self.count[node] += 1
             node //= 2
 
-    def take_at_least(self, n: int) -> int | None:
+    def least_at_least(self, n: int) -> int | None:
+        """The least room of at least n that an open bin has, or None."""
         node = n + self.size
         if not self.count[node]:
             # Up until a right sibling holds a bin: the least room >= n is in its subtree.
@@ -142,8 +165,12 @@ class _OpenBins:
             node += 1
             while node < self.size:  # down to its leftmost leaf with a bin
                 node = 2 * node if self.count[2 * node] else 2 * node + 1
-        room = node - self.size
+        return node - self.size
+
+    def take(self, room: int) -> int:
+        """The bin that has had `room` longest, taken out."""
         b = self.bins[room].popleft()
+        node = room + self.size
         while node:
             self.count[node] -= 1
             node //= 2

@@ -1,0 +1,334 @@
+"""Encoded image examples (encode.ImageExample) in blocks of fixed shapes: S tokens and K image
+slots, the contract between the data and the training forward.
+
+A block (one item of `ImageBlocks`) is a dict of tensors:
+
+  input_ids      [S]       the examples one after another (image tokens expanded), then pad id
+  labels         [S]       learned tokens only: -100 on image tokens, on each example's first
+                           token and on the padding
+  position_ids   [S], or [3, S] for Qwen's multimodal RoPE: restarting at each example (Qwen:
+                 transformers' get_rope_index of that example alone), the padding 0, 1, ...
+  seq_lens       [S]       the examples' lengths, then zeros (packing.block_causal_mask reads it)
+  pixel_values   [K, C, H, W] (one image size), or Qwen's patches [K * P, D]
+  image_grid_thw [K, 3]    Qwen only: each slot's (t, h, w) patch grid
+  image_count    []        the real images; the slots after them hold a blank image
+
+`pack_images` puts whole examples into blocks by best-fit decreasing on tokens with at most K
+images a block (packing.best_fit_decreasing); `unpacked_images` gives one example a block, padded
+to the smallest of a few lengths. Both hold only the plan: a block, its pixel values included, is
+made when it is read (in the DataLoader's workers). `ImageCollator` stacks blocks into a batch
+whose image slots are ordered real images first (see its docstring).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import InputError
+from ...models.vision import image_token_id
+from .. import packing
+from ..batching import bucket_lengths
+from ..packing import IGNORE_INDEX
+from ..token_store import Ragged
+
+LENGTH_BUCKETS = 4
+"""Unpacked (--no-packing): the block lengths an example is padded to (the smallest that holds
+it), spaced evenly up to the block size."""
+
+
+@dataclass
+class ImageStats(packing.PackingStats):
+    """What packing did to the image examples: PackingStats' counts (truncated: cut to the block
+    size after their last image), and the images and their slots."""
+
+    rows: int = 0
+    """Rows read (every split)."""
+    images: int = 0
+    """Real images in the blocks."""
+    slots: int = 0
+    """Image slots per block (K)."""
+    padding_slots: int = 0
+    """Slots holding a blank image."""
+
+    @property
+    def padding_slot_fraction(self) -> float:
+        total = self.images + self.padding_slots
+        return self.padding_slots / total if total else 0.0
+
+    def add(self, other: ImageStats) -> None:
+        """Count `other`'s examples, blocks and images in these (the slots are the same)."""
+        for name in ("rows", "examples", "blocks", "truncated", "labels_cut", "nothing_to_learn",
+                     "tokens", "padding", "images", "padding_slots"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+# -- what is kept of the examples -------------------------------------------------------------------
+
+def cut_examples(examples, select, block_size: int, image_token: int) -> tuple[np.ndarray, np.ndarray, ImageStats]:
+    """(the selected examples kept, their lengths after the cut, the stats): an example longer
+    than the block is cut to block_size tokens, which must leave its images whole; one with
+    nothing left to learn is left out."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise InputError(f"the block size must be a whole number of at least 1, got {block_size!r}")
+    stats, kept, lengths = ImageStats(), [], []
+    for i in np.asarray(select, dtype=np.int64).tolist():
+        ids, labels = examples[i].input_ids, examples[i].labels
+        n = min(len(ids), block_size)
+        if len(ids) > block_size:
+            images_end = np.flatnonzero(np.asarray(ids) == image_token)
+            if len(images_end) and images_end[-1] >= block_size:
+                raise InputError(f"image example {i} has image tokens up to token {images_end[-1] + 1}, "
+                                 f"past --block-size {block_size}: raise --block-size")
+            stats.truncated += 1
+            stats.labels_cut += int(np.count_nonzero(np.asarray(labels[block_size:]) != IGNORE_INDEX))
+        if packing.first_learned(labels) >= n:
+            stats.nothing_to_learn += 1
+            continue
+        kept.append(i)
+        lengths.append(n)
+        stats.tokens += n
+        stats.images += len(examples[i].images)
+    stats.examples = len(kept)
+    return np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64), stats
+
+
+def default_slots(counts: list[int], lengths: list[int], block_size: int, most: int) -> int:
+    """K when --image-slots is not given: the mean images per block of a packing by tokens alone,
+    rounded up, and at least `most` (the most images of one example) and 1."""
+    blocks = len(packing.best_fit_decreasing(lengths, block_size)) if lengths else 0
+    mean = math.ceil(sum(counts) / blocks) if blocks else 0
+    return max(1, mean, most)
+
+
+def check_slots(slots: int, most: int) -> None:
+    """--image-slots K must be at least 1 and hold the example with the most images."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise InputError(f"--image-slots must be a whole number of at least 1, got {slots!r}")
+    if most > slots:
+        raise InputError(f"--image-slots {slots} is fewer than the {most} images of one example: "
+                         f"give --image-slots {most} or more, or leave it out")
+
+
+# -- the plan: which examples each block holds ------------------------------------------------------
+
+class ImageBlocks(torch.utils.data.Dataset):
+    """Blocks of image examples, each made when it is read (see the module docstring); what is
+    held is the plan: the examples of each block, their lengths after the cut, each block's
+    length."""
+
+    def __init__(self, layout: BlockLayout, examples, members: Ragged, lengths: np.ndarray,
+                 sizes: np.ndarray) -> None:
+        self.layout, self.examples = layout, examples
+        self.members = members
+        """The examples (indices into `examples`) of each block, in order."""
+        self.lengths = lengths
+        """Each member's length after the cut, aligned with members.values."""
+        self.sizes = sizes
+        """Each block's length (S packed; unpacked, its length bucket)."""
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"block {index} of {len(self)}")
+        index %= len(self)
+        start, end = self.members.offsets[index], self.members.offsets[index + 1]
+        parts = [(self.examples[i], n) for i, n in
+                 zip(self.members.values[start:end].tolist(), self.lengths[start:end].tolist())]
+        return self.layout.block(parts, int(self.sizes[index]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def images(self, index: int) -> int:
+        """The real images of block `index` (without making it)."""
+        start, end = self.members.offsets[index], self.members.offsets[index + 1]
+        return sum(len(self.examples[i].images) for i in self.members.values[start:end].tolist())
+
+
+def _plan(bins: list[list[int]], kept: np.ndarray, cut: np.ndarray) -> tuple[Ragged, np.ndarray]:
+    order = np.asarray([j for members in bins for j in members], dtype=np.int64)
+    offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(members) for members in bins], out=offsets[1:])
+    return Ragged(kept[order], offsets), cut[order]
+
+
+def pack_images(layout: BlockLayout, examples, select, block_size: int,
+                slots: int) -> tuple[ImageBlocks, ImageStats]:
+    """The selected examples packed into blocks of block_size tokens and `slots` images (K)."""
+    kept, cut, stats = cut_examples(examples, select, block_size, layout.image_token)
+    counts = [len(examples[i].images) for i in kept.tolist()]
+    check_slots(slots, max(counts, default=0))
+    bins = packing.best_fit_decreasing(cut.tolist(), block_size, counts, slots)
+    members, lengths = _plan(bins, kept, cut)
+    stats.blocks, stats.slots = len(bins), slots
+    stats.padding = stats.blocks * block_size - stats.tokens
+    stats.padding_slots = stats.blocks * slots - stats.images
+    sizes = np.full(len(bins), block_size, dtype=np.int64)
+    return ImageBlocks(layout, examples, members, lengths, sizes), stats
+
+
+def unpacked_images(layout: BlockLayout, examples, select, block_size: int,
+                    slots: int) -> tuple[ImageBlocks, ImageStats]:
+    """--no-packing: one example a block, its length the smallest of LENGTH_BUCKETS lengths up to
+    block_size that holds it, with `slots` image slots (at least the most of one example)."""
+    kept, cut, stats = cut_examples(examples, select, block_size, layout.image_token)
+    check_slots(slots, max((len(examples[i].images) for i in kept.tolist()), default=0))
+    lengths = bucket_lengths(LENGTH_BUCKETS, block_size)
+    sizes = np.asarray([lengths[np.searchsorted(lengths, n)] for n in cut.tolist()], dtype=np.int64)
+    members, cut = _plan([[j] for j in range(len(kept))], kept, cut)
+    stats.blocks, stats.slots = len(kept), slots
+    stats.padding = int(sizes.sum()) - stats.tokens
+    stats.padding_slots = stats.blocks * slots - stats.images
+    return ImageBlocks(layout, examples, members, cut, sizes), stats
+
+
+# -- making a block ---------------------------------------------------------------------------------
+
+class BlockLayout:
+    """How the blocks of one model are made: its pad and image token ids, its positions (1-D or
+    Qwen's 3-D), its image slots and the pixel values of each image (`processing`)."""
+
+    def __init__(self, processing, slots: int) -> None:
+        self.processing, self.slots = processing, slots
+        tokenizer = processing.tokenizer
+        self.pad_token_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+                                 if t is not None)
+        self.image_token = image_token_id(processing.config)
+        self.rope = RopeIndex(processing.config) if processing.family.positions == "3d" else None
+        self._blank = None
+
+    def block(self, parts: list[tuple[object, int]], size: int) -> dict:
+        """The block of `parts` ((ImageExample, length after the cut) pairs), `size` tokens long."""
+        rows = () if self.rope is None else (3,)
+        input_ids = torch.full((size,), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(*rows, size, dtype=torch.long)
+        seq_lens = torch.zeros(size, dtype=torch.long)
+        images, at = [], 0
+        for k, (example, n) in enumerate(parts):
+            ids = torch.from_numpy(np.asarray(example.input_ids[:n], dtype=np.int64))
+            pixels = [self.processing.pixels(ref, bucket)
+                      for ref, bucket in zip(example.images, example.buckets)]
+            input_ids[at:at + n] = ids
+            labels[at:at + n] = torch.from_numpy(np.asarray(example.labels[:n], dtype=np.int64))
+            labels[at:at + n][ids == self.image_token] = IGNORE_INDEX
+            labels[at] = IGNORE_INDEX  # nothing in this block predicts an example's first token
+            position_ids[..., at:at + n] = self.positions(ids, pixels)
+            seq_lens[k] = n
+            images += pixels
+            at += n
+        position_ids[..., at:] = torch.arange(size - at)  # the padding is a sequence of its own
+        count = len(images)
+        if count > self.slots:
+            raise ValueError(f"a block of {count} images has {self.slots} slots")
+        images += [self.blank()] * (self.slots - count)
+        block = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+                 "seq_lens": seq_lens, **stack_images(images), "image_count": torch.tensor(count)}
+        return block
+
+    def positions(self, ids: torch.Tensor, pixels: list[dict]) -> torch.Tensor:
+        """One example's positions: 0, 1, ... or transformers' 3-D ones of the example alone."""
+        if self.rope is None:
+            return torch.arange(len(ids))
+        grids = torch.stack([torch.as_tensor(p["image_grid_thw"]).reshape(3) for p in pixels]) \
+            if pixels else None
+        return self.rope(ids, grids, self.image_token)
+
+    def blank(self) -> dict:
+        """The pixel values of a padding slot: a blank image of the first bucket (made once)."""
+        if self._blank is None:
+            self._blank = self.processing.blank(0)
+        return self._blank
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"_blank": None}
+
+
+def stack_images(images: list[dict]) -> dict:
+    """pixel_values (and image_grid_thw) of a block's slots: [K, C, H, W], or Qwen's [K * P, D]
+    patches with the [K, 3] grids."""
+    values = [torch.as_tensor(p["pixel_values"], dtype=torch.float32) for p in images]
+    if "image_grid_thw" not in images[0]:
+        return {"pixel_values": torch.stack(values)}
+    grids = [torch.as_tensor(p["image_grid_thw"], dtype=torch.long).reshape(3) for p in images]
+    return {"pixel_values": torch.cat(values), "image_grid_thw": torch.stack(grids)}
+
+
+class RopeIndex:
+    """transformers' own multimodal rotary positions (the model class's `get_rope_index`, Qwen's
+    3-D rows: temporal, height, width) of one example, without a model: the method reads only
+    the config and the class's `get_vision_position_ids`, so it is called on this object."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    @property
+    def model_class(self):
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        return MODEL_MAPPING[type(self.config)]
+
+    def get_vision_position_ids(self, *args, **kwargs) -> torch.Tensor:
+        return self.model_class.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(self, ids: torch.Tensor, grids: torch.Tensor | None, image_token: int) -> torch.Tensor:
+        """[3, len(ids)] positions of one example, `grids` its images' (t, h, w) patch grids."""
+        kinds = (ids == image_token).to(torch.int32)  # the processor's mm_token_type_ids: image 1
+        positions, _ = self.model_class.get_rope_index(self, ids[None], mm_token_type_ids=kinds[None],
+                                                       image_grid_thw=grids)
+        return positions[:, 0]
+
+
+# -- batches ----------------------------------------------------------------------------------------
+
+class ImageCollator:
+    """Stacks blocks into a batch whose image slots are ordered real images first: pixel_values
+    [B * K, ...] (Qwen: [B * K * P, D]) hold block 0's real images, block 1's, ..., then every
+    padding slot; image_grid_thw in the same order; image_count is dropped.
+
+    Why: transformers' masked_scatter fills the batch's image tokens, in row-major order, from the
+    image features in order; with the padding slots last, the first n features are the n real
+    images' and the rest is never read, while the shapes stay the same every step.
+    Blocks of different lengths (unpacked) are padded to the longest: pad id, labels -100, the
+    padding's positions continuing, seq_lens zeros."""
+
+    def __init__(self, pad_token_id: int = 0) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, blocks: list[dict]) -> dict:
+        size = max(b["input_ids"].shape[-1] for b in blocks)
+        blocks = [self.pad(b, size) for b in blocks]
+        batch = {name: torch.stack([b[name] for b in blocks])
+                 for name in ("input_ids", "labels", "position_ids", "seq_lens")}
+        counts = [int(b["image_count"]) for b in blocks]
+        grids = "image_grid_thw" in blocks[0]
+        slots = blocks[0]["image_grid_thw" if grids else "pixel_values"].shape[0]
+        order = torch.tensor([b * slots + s for b, n in enumerate(counts) for s in range(n)]
+                             + [b * slots + s for b, n in enumerate(counts) for s in range(n, slots)])
+        pixels = torch.stack([b["pixel_values"] for b in blocks])
+        if grids:  # [B, K * P, D]: slot by slot, each its P patches
+            patches = pixels.reshape(len(blocks) * slots, -1, pixels.shape[-1])
+            batch["pixel_values"] = patches[order].reshape(-1, pixels.shape[-1])
+            batch["image_grid_thw"] = torch.cat([b["image_grid_thw"] for b in blocks])[order]
+        else:
+            batch["pixel_values"] = pixels.flatten(0, 1)[order]
+        return batch
+
+    def pad(self, block: dict, size: int) -> dict:
+        """`block` lengthened to `size` tokens (a longer padding sequence)."""
+        length = block["input_ids"].shape[-1]
+        if length == size:
+            return block
+        more = size - length
+        used = int(block["seq_lens"].sum())
+        position_ids = torch.arange(length - used, size - used).expand(*block["position_ids"].shape[:-1], more)
+        return block | {
+            "input_ids": torch.cat([block["input_ids"], torch.full((more,), self.pad_token_id)]),
+            "labels": torch.cat([block["labels"], torch.full((more,), IGNORE_INDEX)]),
+            "position_ids": torch.cat([block["position_ids"], position_ids], dim=-1),
+            "seq_lens": torch.cat([block["seq_lens"], torch.zeros(more, dtype=torch.long)])}
