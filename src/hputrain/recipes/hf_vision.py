@@ -1,0 +1,267 @@
+"""An image-text-to-text (vision-language) model folder in the Hugging Face recipe: loaded with
+AutoModelForImageTextToText in float32 and the folder's processor, its vision tower and projector
+frozen or trained as the options say, LoRA on its language model.
+
+The processor is AutoProcessor's where the folder's processor class can be built; where it
+cannot (Qwen2.5-VL's needs torchvision for its video processor), it is the folder's tokenizer
+(with the chat template) and its image processor (AutoImageProcessor), saved side by side as the
+processor would save them. `load_vision` returns either, and the run says which.
+
+Freezing: the vision tower (the family's `tower`) is frozen unless --train-vision-tower; the
+projector (its `projector`: vision features into the text width) is trained in full fine-tuning,
+frozen under LoRA unless --train-projector, which then trains it whole (PEFT's modules_to_save).
+LoRA's default targets are the language model's linear layers (+ the tower's with
+--train-vision-tower, never the projector's): a regular expression over their names, which PEFT
+matches whole; --lora-target-modules names layers inside those same parts.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+from ..checkpoint.model_folders import (adapter_base, is_adapter_folder, load_adapter,
+                                        tokenizer_folder)
+from ..errors import InputError
+from ..errors import first_line as _first_line
+from ..models.vision import is_image_text_to_text, refusal, vision_family
+
+
+class TokenizerAndImages:
+    """What a processor holds where its class cannot be built here: the tokenizer (its chat
+    template inside) and the image processor, saved side by side as the processor saves them
+    (tokenizer files, preprocessor_config.json), so that a folder written with it loads with
+    AutoTokenizer + AutoImageProcessor (and with AutoProcessor where the class can be built)."""
+
+    def __init__(self, tokenizer, image_processor, why: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.why = why
+        """Why the processor class could not be built (for the header)."""
+
+    @property
+    def chat_template(self):
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @chat_template.setter
+    def chat_template(self, value) -> None:
+        self.tokenizer.chat_template = value
+
+    def save_pretrained(self, folder) -> None:
+        self.tokenizer.save_pretrained(str(folder))
+        self.image_processor.save_pretrained(str(folder))
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
+def vision_config(folder: Path, base_model: str | None = None):
+    """The config of `folder` (a model folder, or an adapter folder's base) when it is an
+    image-text-to-text model's, else None; an image-text-to-text type that is not covered is one
+    line (models.vision.refusal)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+
+    if is_adapter_folder(folder):
+        folder = adapter_base(folder, base_model)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None  # the causal-LM path says why config.json cannot be read
+    if not is_image_text_to_text(config):
+        return None
+    if vision_family(config) is None:
+        raise InputError(f"--model {folder}: {refusal(config.model_type)}")
+    return config
+
+
+def load_vision(folder: Path, flag: str = "--model", *, from_scratch: bool = False,
+                sharded: bool = False, base_model: str | None = None, trainable: bool = False,
+                merge: bool = False):
+    """(model in float32, processor) of an image-text-to-text folder, never from the network.
+    The processor is AutoProcessor's, or a TokenizerAndImages where its class cannot be built
+    (both have .tokenizer, .image_processor, .chat_template and save_pretrained). An adapter folder
+    (a LoRA run's final/) is its base with the adapters loaded by PEFT (trainable with
+    `trainable`, merged with `merge`), its processor the folder's own when it has one.
+    `sharded`: the parameters stay on the meta device for fsdp's shard-by-shard loading
+    (hf_sharded.meta_model)."""
+    folder = Path(folder)
+    base = adapter_base(folder, base_model, flag) if is_adapter_folder(folder) else folder
+    model = _load_weights(base, flag, from_scratch and base == folder, sharded and not merge)
+    processor = load_processor(tokenizer_folder(folder, base) if base != folder else folder, flag)
+    if base == folder:
+        return model, processor
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import load_adapter_values
+
+    meta = on_meta(model)
+    with warnings.catch_warnings():  # onto a meta base, PEFT's copy is a no-op, redone below
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        model = load_adapter(model, folder, trainable=trainable, flag=flag)
+    if meta:
+        load_adapter_values(model, folder)
+    return (model.merge_and_unload() if merge else model), processor
+
+
+def _load_weights(folder: Path, flag: str, from_scratch: bool, sharded: bool):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+
+    from .hf_sharded import meta_model
+
+    transformers.utils.logging.disable_progress_bar()  # the run prints its own progress
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    if not is_image_text_to_text(config):
+        raise InputError(f"{flag} {folder} holds {config.model_type}, not an image-text-to-text model")
+    if vision_family(config) is None:
+        raise InputError(f"{flag} {folder}: {refusal(config.model_type)}")
+    auto = transformers.AutoModelForImageTextToText
+    try:
+        if sharded and not from_scratch and (model := meta_model(folder, config, flag, auto)) is not None:
+            return model
+        if from_scratch:
+            return auto.from_config(config, dtype=torch.float32)
+        return auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
+                                    local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{flag} {folder} cannot be loaded as an image-text-to-text model: "
+                         f"{_first_line(exc)}") from None
+
+
+def load_processor(folder: Path, flag: str = "--model"):
+    """AutoProcessor of `folder`, else its tokenizer + AutoImageProcessor (TokenizerAndImages, the
+    reason kept in .why); one line when the folder has no image processor."""
+    import transformers
+
+    why = ""
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
+        if getattr(processor, "image_processor", None) is not None and hasattr(processor, "tokenizer"):
+            return processor
+    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        why = _first_line(exc).split(" but ")[0] or type(exc).__name__  # "X requires torchvision"
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{flag} {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
+                         "the processor (or the tokenizer) into the folder") from None
+    try:
+        images = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        raise InputError(f"{flag} {folder}: no image processor could be loaded ({_first_line(exc)}): "
+                         "save the processor (or its image processor: preprocessor_config.json) "
+                         "into the folder") from None
+    return TokenizerAndImages(tokenizer, images, why or "the folder has no processor class")
+
+
+def processor_words(processor) -> str:
+    """"LlavaProcessor", or "tokenizer + Qwen2VLImageProcessorPil (the processor class cannot be
+    built: ...)", for the header."""
+    if isinstance(processor, TokenizerAndImages):
+        return (f"tokenizer + {type(processor.image_processor).__name__} (the processor class cannot "
+                f"be built here: {processor.why})")
+    return type(processor).__name__
+
+
+# -- what trains -----------------------------------------------------------------------------------
+
+def _inner(model):
+    """The model whose attributes are the family's parts (the tower, the projector, the language
+    model): the ...ForConditionalGeneration's `model`."""
+    return getattr(model, "model", model)
+
+
+def part_prefixes(model) -> dict[str, str]:
+    """{"tower", "projector", "language_model"} -> the dotted name prefix of each part in
+    `model.named_parameters()` (a bare transformers model, not a PEFT wrapper)."""
+    family = vision_family(model.config)
+    inner = "model." if getattr(model, "model", None) is not None else ""
+    return {"tower": f"{inner}{family.tower}", "projector": f"{inner}{family.projector}",
+            "language_model": f"{inner}language_model"}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def freeze_parts(model, options) -> None:
+    """Full fine-tuning: the vision tower frozen unless options.train_vision_tower; the projector
+    trained unless options.train_projector is False (Qwen's projector sits inside its tower)."""
+    parts = part_prefixes(model)
+    tower, projector = options.train_vision_tower, options.train_projector is not False
+    for name, param in model.named_parameters():
+        if _under(name, parts["projector"]):
+            param.requires_grad_(projector)
+        elif _under(name, parts["tower"]):
+            param.requires_grad_(tower)
+
+
+def lora_targets(model, options) -> str:
+    """LoRA's target_modules for PEFT: a regular expression matching whole names of linear layers
+    under the language model (and the tower with --train-vision-tower, never the projector),
+    their last name part among --lora-target-modules when given."""
+    from .hf_adapters import is_linear
+
+    parts = part_prefixes(model)
+    scopes = [parts["language_model"]] + ([parts["tower"]] if options.train_vision_tower else [])
+    chosen = [name for name, module in model.named_modules()
+              if is_linear(module) and any(_under(name, s) for s in scopes)
+              and not _under(name, parts["projector"])]
+    asked = options.lora_target_modules
+    if asked:
+        chosen = [n for n in chosen if any(n == t or n.endswith("." + t) for t in asked)]
+        if not chosen:
+            where = " and ".join(scopes)
+            layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if is_linear(m) and any(_under(n, s) for s in scopes)})
+            raise InputError(f"--lora-target-modules {' '.join(asked)}: no linear layer of that name "
+                             f"under {where} of {type(model).__name__}; its linear layers there are "
+                             f"{', '.join(layers)}")
+    ends = sorted({name.rsplit(".", 1)[-1] for name in chosen})
+    return (f"(?:{'|'.join(re.escape(s) for s in scopes)})\\..*\\.(?:{'|'.join(map(re.escape, ends))})")
+
+
+def add_vision_lora(model, options):
+    """`model` wrapped by PEFT with LoRA on `lora_targets`; with --train-projector the projector
+    trained whole (modules_to_save); everything else frozen."""
+    import torch
+
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import draw_adapters
+
+    try:
+        import peft
+    except ImportError:
+        raise InputError("--lora-r needs peft, which is not installed: pip install peft") from None
+    saved = [vision_family(model.config).projector] if options.train_projector else None
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=options.lora_r,
+                             lora_alpha=options.lora_alpha or 2 * options.lora_r,
+                             lora_dropout=0.05 if options.lora_dropout is None else options.lora_dropout,
+                             target_modules=lora_targets(model, options), modules_to_save=saved)
+    rng_state = torch.random.get_rng_state()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
+    except ValueError as exc:
+        raise InputError(f"LoRA cannot wrap {type(model).__name__}: {_first_line(exc)}") from None
+    if on_meta(model):
+        draw_adapters(wrapped, rng_state)
+    return wrapped
+
+
+def prepare_parts(model, options):
+    """The model as the run trains it: LoRA (add_vision_lora) or full fine-tuning with the parts
+    frozen as asked (freeze_parts). An adapter folder's model (training continues on its
+    adapters) is kept as loaded."""
+    if hasattr(model, "peft_config"):
+        return model
+    if options.lora_r:
+        return add_vision_lora(model, options)
+    freeze_parts(model, options)
+    return model
