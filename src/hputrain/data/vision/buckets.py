@@ -1,0 +1,175 @@
+"""Pixel buckets: the few image sizes a run's images are resized into, each giving the same fixed
+number of image tokens, so the vision tower and the packed blocks keep a few static shapes.
+
+Fixed-size families (LLaVA, Gemma 3): one bucket, the size the image processor makes of every
+image (CLIP's centre crop, Gemma's resize). Images are handed to the image processor as they are,
+so their pixel values are exactly what the processor makes at inference. --image-buckets with
+them may name only that size; anything else is one line (their processor has one size).
+
+Dynamic-resolution families (Qwen2.5-VL): sizes in multiples of the patch x merge (14 x 2 = 28)
+within the image processor's min_pixels..max_pixels (there its own resize leaves an image be),
+tokens = (width / 28) x (height / 28). --image-buckets WxH, or three defaults of equal token
+count: square, wide and tall (the largest square count up to 256 tokens that the pixel limits
+allow and that has a wide shape near 2:1, e.g. 336x336, 448x252, 252x448: 144 tokens each).
+Each image goes into the bucket nearest its aspect ratio and is resized there (the processor's
+resampling filter); buckets whose token counts differ are one line naming each.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...errors import InputError
+
+DEFAULT_MAX_TOKENS = 256
+"""The default buckets of a dynamic-resolution family give at most this many tokens an image."""
+
+WIDE_RATIO = 2.0
+"""The shape the default wide (and tall) bucket comes nearest to."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The pixel buckets of a run."""
+
+    sizes: tuple[tuple[int, int], ...]
+    """(width, height) of each bucket."""
+    tokens: int
+    """Image tokens of one image, in every bucket."""
+    resizes: bool
+    """True: images are resized to their bucket here (dynamic resolution); False: the image
+    processor resizes every image to its one size itself."""
+    resample: int = 3
+    """PIL's resampling filter for the resize (the image processor's; 3 is bicubic)."""
+
+    def choose(self, width: int, height: int) -> int:
+        """The index of the bucket nearest in aspect ratio to a width x height image (the first
+        of equally near ones)."""
+        shape = math.log(width / height)
+        return min(range(len(self.sizes)),
+                   key=lambda i: abs(shape - math.log(self.sizes[i][0] / self.sizes[i][1])))
+
+    def resize(self, image, index: int):
+        """`image` (PIL) as the image processor should get it for bucket `index`: resized to the
+        bucket's size, or as it is where the processor resizes it itself."""
+        if not self.resizes or image.size == self.sizes[index]:
+            return image
+        return image.resize(self.sizes[index], resample=self.resample)
+
+    def describe(self) -> str:
+        """"3 pixel buckets (336x336, 448x252, 252x448) of 144 image tokens each"."""
+        names = ", ".join(f"{w}x{h}" for w, h in self.sizes)
+        count = f"{len(self.sizes)} pixel buckets" if len(self.sizes) > 1 else "1 pixel bucket"
+        return f"{count} ({names}) of {self.tokens} image tokens each"
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """"336x252" as (336, 252); anything else is one line."""
+    width, sep, height = str(text).lower().partition("x")
+    if not sep or not width.strip().isdigit() or not height.strip().isdigit() \
+            or int(width) < 1 or int(height) < 1:
+        raise InputError(f"--image-buckets {text!r} is not a size: give WIDTHxHEIGHT in pixels, "
+                         "e.g. 336x336")
+    return int(width), int(height)
+
+
+def make_buckets(family, image_processor, image_buckets: list[str] | None = None,
+                 tokens_of: Callable[[int, int], int] | None = None) -> Buckets:
+    """The buckets of `family` (models.vision.VisionFamily) with its image processor, from
+    --image-buckets (["WxH", ...]) or the defaults. `tokens_of(width, height)`: the image tokens
+    of an image of that size as the processor expands it (the family's grid rule by default,
+    for dynamic resolution; needed for fixed-size families)."""
+    resample = int(getattr(image_processor, "resample", None) or 3)
+    if family.fixed_size:
+        size = fixed_size(image_processor)
+        if image_buckets:
+            asked = [parse_size(text) for text in image_buckets]
+            if any(s != size for s in asked):
+                raise InputError(f"--image-buckets {','.join(image_buckets)}: {family.name}'s image "
+                                 f"processor makes every image {size[0]}x{size[1]}, its only size: "
+                                 "leave --image-buckets out")
+        if tokens_of is None:
+            raise ValueError("a fixed-size family's buckets need tokens_of (the processor's count)")
+        return Buckets((size,), tokens_of(*size), resizes=False, resample=resample)
+    factor, low, high = pixel_limits(image_processor)
+    tokens_of = tokens_of or (lambda w, h: (w // factor) * (h // factor))
+    if image_buckets:
+        sizes = tuple(dict.fromkeys(parse_size(text) for text in image_buckets))
+        for width, height in sizes:
+            _check_size(width, height, factor, low, high, family.name)
+    else:
+        sizes = default_sizes(factor, low, high)
+    counts = [tokens_of(w, h) for w, h in sizes]
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"{w}x{h}: {c}" for (w, h), c in zip(sizes, counts))
+        raise InputError(f"--image-buckets give different image-token counts ({listed}): every "
+                         "bucket must give the same count, so that blocks keep one shape (e.g. "
+                         "336x336, 448x252, 252x448: 144 each)")
+    return Buckets(sizes, counts[0], resizes=True, resample=resample)
+
+
+def fixed_size(image_processor) -> tuple[int, int]:
+    """(width, height) of what a fixed-size image processor makes of any image: read from its
+    output on a blank image (whatever its settings: crop size, size, padding)."""
+    from PIL import Image
+
+    out = image_processor(images=[Image.new("RGB", (64, 48))], return_tensors="np")
+    shape = out["pixel_values"].shape
+    return int(shape[-1]), int(shape[-2])
+
+
+def pixel_limits(image_processor) -> tuple[int, int, int]:
+    """(patch x merge, min_pixels, max_pixels) of a dynamic-resolution image processor."""
+    factor = int(image_processor.patch_size) * int(getattr(image_processor, "merge_size", 1) or 1)
+    size = getattr(image_processor, "size", None) or {}
+    get = size.get if isinstance(size, dict) else (lambda key: getattr(size, key, None))
+    low = getattr(image_processor, "min_pixels", None) or get("shortest_edge") or get("min_pixels")
+    high = getattr(image_processor, "max_pixels", None) or get("longest_edge") or get("max_pixels")
+    return factor, int(low or factor * factor), int(high or factor * factor * DEFAULT_MAX_TOKENS)
+
+
+def _check_size(width: int, height: int, factor: int, low: int, high: int, name: str) -> None:
+    if width % factor or height % factor:
+        raise InputError(f"--image-buckets {width}x{height}: {name}'s bucket sides must be multiples "
+                         f"of {factor} (patch x merge): e.g. {_round(width, factor)}x"
+                         f"{_round(height, factor)}")
+    if not low <= width * height <= high:
+        raise InputError(f"--image-buckets {width}x{height}: {width * height} pixels, outside the image "
+                         f"processor's min_pixels..max_pixels ({low}..{high}), where it would resize "
+                         "the image again: choose a size within them")
+
+
+def _round(value: int, factor: int) -> int:
+    return max(factor, round(value / factor) * factor)
+
+
+def default_sizes(factor: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
+    """Square, wide and tall sizes of one token count: the largest square count k*k (at most
+    DEFAULT_MAX_TOKENS, within the pixel limits) with a wide shape a x b (a * b = k * k) whose
+    ratio is within 1.5..2.5; failing that, the largest with any wide shape; the square alone when
+    no count has one."""
+    cell = factor * factor
+    counts = [k for k in range(int(math.isqrt(DEFAULT_MAX_TOKENS)), 0, -1)
+              if low <= k * k * cell <= high]
+    if not counts:
+        raise InputError(f"the image processor's pixel limits ({low}..{high}) hold no square of "
+                         f"{factor}-pixel cells: give --image-buckets")
+    for near_enough in (True, False):
+        for k in counts:
+            wide = _wide(k * k, near_enough)
+            if wide is not None:
+                a, b = wide
+                return (k * factor, k * factor), (a * factor, b * factor), (b * factor, a * factor)
+    k = counts[0]
+    return ((k * factor, k * factor),)
+
+
+def _wide(count: int, near_enough: bool) -> tuple[int, int] | None:
+    """(a, b), a > b, a * b = count, the ratio nearest WIDE_RATIO (within 1.5..2.5 if near_enough)."""
+    pairs = [(count // b, b) for b in range(1, math.isqrt(count) + 1) if count % b == 0 and count // b > b]
+    if near_enough:
+        pairs = [(a, b) for a, b in pairs if 1.5 <= a / b <= 2.5]
+    if not pairs:
+        return None
+    return min(pairs, key=lambda p: abs(math.log(p[0] / p[1] / WIDE_RATIO)))

@@ -1,0 +1,246 @@
+"""Image rows in TRL's vision formats: which format a data set has, its messages with their image
+parts, and its images as picklable references that a worker process opens later.
+
+Formats (`detect_image_format`, from the columns):
+
+  messages            `messages` whose contents hold {"type": "image"} parts, and `images` (a list)
+  prompt_completion   `prompt` and `completion` as message lists, and `images` (a list)
+  image               a single `image` column beside `messages`, or `prompt` and `completion`
+
+An image is a file path (relative to the data file, as TRL's data sets on disk are laid out), a
+datasets Image value from save_to_disk (a PIL image, or {"bytes", "path"} when read undecoded),
+or raw bytes. It becomes an `ImageRef`: an absolute path, or the image's bytes (a PIL image
+without a file behind it is written as PNG, losslessly), which pickles into DataLoader workers
+and opens with `open_image`.
+
+Plain string contents are allowed beside parts. Where a conversation's contents are all strings,
+the images' placeholders go before the first user message's text (TRL's
+prepare_multimodal_messages rule). Every problem is one InputError line naming the row.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+from ...errors import InputError, did_you_mean
+
+ImageRef = str | bytes
+"""An image as the examples keep it: an absolute file path, or the encoded image's bytes."""
+
+FORMATS = ("messages", "prompt_completion", "image")
+"""TRL's vision row formats, as `detect_image_format` names them."""
+
+ROLES = ("system", "user", "assistant", "tool")
+"""Roles a message may have (as data/sft.py's)."""
+
+PART_TYPES = ("image", "text")
+"""The types of content parts a message may hold."""
+
+
+def detect_image_format(columns: Iterable[str]) -> str | None:
+    """"messages", "prompt_completion" or "image" for image data with these columns; None when
+    the data has no image column (text data). An image column without conversation columns is
+    one line."""
+    columns = list(columns)
+    conversation = "messages" in columns or ("prompt" in columns and "completion" in columns)
+    if "images" in columns and "image" in columns:
+        raise InputError("the data has both an 'images' and an 'image' column: give the images of a "
+                         "row in one of them ('images', a list; or 'image', one per row)")
+    if "images" not in columns and "image" not in columns:
+        return None
+    if not conversation:
+        raise InputError(f"image data needs 'messages', or 'prompt' and 'completion', beside its "
+                         f"images (it has: {', '.join(map(str, columns))})")
+    if "image" in columns:
+        return "image"
+    return "messages" if "messages" in columns else "prompt_completion"
+
+
+def conversation(row: Mapping, fmt: str, where: str) -> tuple[list[dict], list[int], list]:
+    """(messages, the indices of the messages whose assistant turns are the completion (every
+    index for conversations), the row's raw image values) of one row of format `fmt`; the
+    messages hold exactly one image part per image (TRL's rule adds them to string contents)."""
+    if fmt == "image":
+        value = row.get("image")
+        images = [] if value is None else [value]
+        fmt = "messages" if "messages" in row else "prompt_completion"
+    elif fmt in ("messages", "prompt_completion"):
+        images = row.get("images")
+        images = [] if images is None else images
+        if isinstance(images, (str, bytes, Mapping)) or not isinstance(images, Iterable):
+            raise InputError(f"{where}: 'images' is {type(images).__name__}, not a list of images")
+        images = list(images)
+    else:
+        raise InputError(f"unknown image row format {fmt!r}: one of {', '.join(FORMATS)}")
+    if fmt == "messages":
+        messages = normalize(row.get("messages"), where, "messages")
+        completion = list(range(len(messages)))
+    else:
+        prompt, answer = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, str) or isinstance(answer, str):
+            raise InputError(f"{where}: image rows need 'prompt' and 'completion' as message lists "
+                             "(TRL's conversational format), not text")
+        before = normalize(prompt, where, "prompt")
+        messages = before + normalize(answer, where, "completion")
+        completion = list(range(len(before), len(messages)))
+    return place_images(messages, len(images), where), completion, images
+
+
+def normalize(value, where: str, column: str) -> list[dict]:
+    """A row's messages as [{"role", "content", ...}], content a string or a list of parts
+    ({"type": "image"}, {"type": "text", "text": ...}); keys holding None are dropped (a
+    save_to_disk struct fills missing keys with None, which a template would print)."""
+    if value is None:
+        raise InputError(f"{where}: no messages (the {column!r} value is empty)")
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InputError(f"{where}: {column!r} is {type(value).__name__}, not a list of messages")
+    messages = [_message(item, where, k, column) for k, item in enumerate(value)]
+    if not messages:
+        raise InputError(f"{where}: the conversation in {column!r} is empty")
+    return messages
+
+
+def _message(item, where: str, k: int, column: str) -> dict:
+    if not isinstance(item, Mapping):
+        raise InputError(f"{where}: message {k} in {column!r} is {type(item).__name__}, not a "
+                         "{'role', 'content'} mapping")
+    role = item.get("role")
+    if role not in ROLES:
+        raise InputError(f"{where}: message {k} in {column!r} has role {role!r}, which is not one of "
+                         f"{', '.join(ROLES)}{did_you_mean(role, ROLES)}")
+    content = item.get("content")
+    if isinstance(content, str):
+        pass
+    elif isinstance(content, Iterable) and not isinstance(content, (bytes, Mapping)):
+        content = [_part(part, where, k, column) for part in content]
+    elif not (content is None and item.get("tool_calls")):
+        raise InputError(f"{where}: message {k} in {column!r} has no content: its 'content' is "
+                         f"{type(content).__name__}, not text or a list of parts")
+    message = {key: v for key, v in item.items() if v is not None}
+    if content is not None:
+        message["content"] = content
+    return message
+
+
+def _part(part, where: str, k: int, column: str) -> dict:
+    if not isinstance(part, Mapping) or part.get("type") not in PART_TYPES:
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        raise InputError(f"{where}: message {k} in {column!r} has a part of type {kind!r}: parts are "
+                         "{'type': 'image'} or {'type': 'text', 'text': ...}")
+    part = {key: v for key, v in part.items() if v is not None}
+    if part["type"] == "text" and not isinstance(part.get("text"), str):
+        raise InputError(f"{where}: message {k} in {column!r} has a text part without text")
+    return part
+
+
+def image_parts(messages: list[dict]) -> int:
+    """How many {"type": "image"} parts the messages hold."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if part["type"] == "image")
+
+
+def place_images(messages: list[dict], images: int, where: str) -> list[dict]:
+    """`messages` with one image part per image: as they are when they hold parts; where every
+    content is a string, the placeholders go before the first user message's text (TRL's rule).
+    A different count of parts and images is one line."""
+    parts = image_parts(messages)
+    if parts == 0 and images and all(not isinstance(m.get("content"), list) for m in messages):
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is not None:
+            messages = list(messages)
+            text = messages[first].get("content") or ""
+            messages[first] = {**messages[first], "content": [{"type": "image"}] * images
+                               + [{"type": "text", "text": text}]}
+            parts = images
+    if parts != images:
+        raise InputError(f"{where}: the messages hold {parts} image placeholder(s) "
+                         f"({{'type': 'image'}} parts) and the row has {images} image(s): give one "
+                         "placeholder per image")
+    return messages
+
+
+# -- the images ------------------------------------------------------------------------------------
+
+def image_ref(value, folder: Path | None, where: str) -> ImageRef:
+    """The picklable reference of one image value of a row: a path (relative to `folder`, the
+    data file's folder), {"bytes", "path"} (save_to_disk read undecoded), a PIL image (decoded:
+    its file when it has one, else its pixels as PNG bytes) or bytes. A missing file is one line."""
+    if isinstance(value, Mapping):
+        data, path = value.get("bytes"), value.get("path")
+        if data is not None:
+            return bytes(data)
+        value = path
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        if not path.is_absolute() and folder is not None:
+            path = folder / path
+        if not path.is_file():
+            relative = "" if Path(value).is_absolute() else f" (relative to {folder})"
+            raise InputError(f"{where}: image {value}{relative} does not exist: give image paths "
+                             "relative to the data file")
+        return str(path.resolve())
+    if hasattr(value, "save") and hasattr(value, "size"):  # a PIL image
+        filename = getattr(value, "filename", "")
+        if filename and Path(filename).is_file():
+            return str(Path(filename).resolve())
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise InputError(f"{where}: an image is {type(value).__name__}, not a file path, image bytes "
+                     "or a datasets Image")
+
+
+def image_size(ref: ImageRef, where: str) -> tuple[int, int]:
+    """(width, height) of an image, from its header; an unreadable image is one line."""
+    from PIL import Image
+
+    try:
+        with Image.open(_source(ref)) as image:
+            return image.size
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise InputError(f"{where}: image {describe(ref)} cannot be read: {_reason(error)}") from None
+
+
+def open_image(ref: ImageRef, where: str | None = None):
+    """The image as an RGB PIL image, loaded (an unreadable image is one line naming it)."""
+    from PIL import Image
+
+    try:
+        with Image.open(_source(ref)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        at = f"{where}: " if where else ""
+        raise InputError(f"{at}image {describe(ref)} cannot be read: {_reason(error)}") from None
+
+
+def describe(ref: ImageRef) -> str:
+    """How an error names an image: its path, or its size in bytes."""
+    return ref if isinstance(ref, str) else f"({len(ref)} bytes in the data set)"
+
+
+def _source(ref: ImageRef):
+    return io.BytesIO(ref) if isinstance(ref, bytes) else ref
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def split_rows(path: str, split: str, records, source_files) -> Iterator[tuple[str, dict, Path]]:
+    """(where, row, folder) for each row of a data set's split, `folder` the one its image paths
+    are relative to: each record file's own folder, or the save_to_disk folder. `records` and
+    `source_files` are recipes/hf_data's (data/ may not import recipes/): the recipe passes
+    them, as `split_rows(path, split, hf_data.records, hf_data.source_files)`."""
+    kind, files = source_files(path, split)
+    if kind == "saved":
+        for where, row in records(path, split):
+            yield where, row, Path(path)
+        return
+    for file in files:
+        for where, row in records(str(file)):
+            yield where, row, Path(file).parent
