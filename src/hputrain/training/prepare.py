@@ -5,7 +5,9 @@ kernel, a precision or a strategy added here is then planned as it runs, with no
 The order, each step before the next for a reason:
 
 1. the device's kernels (execution/kernels.py): a module swap that keeps parameter names, made
-   on the model as the user gave it, before anything looks at its modules;
+   on the model as the user gave it, before anything looks at its modules; for an
+   image-text-to-text model, the static image merge (execution/vision.py: its image features
+   merged without a count read back to the host, on blocks with padded image slots);
 2. the precision's conversion (fp8 replaces Linear layers), then the model on this rank's device
    (a model on the meta device stays there: fsdp shards it before it materialises it);
 3. activation checkpointing, before the strategy wraps the blocks it checkpoints;
@@ -26,6 +28,8 @@ from ..distributed.activation_checkpointing import apply_activation_checkpointin
 from ..execution import kernels as device_kernels
 from ..execution.experts import parallel as expert_parallel
 from ..execution import modes as execution
+from ..execution.vision import static_image_merge
+from ..models.vision import vision_family
 from .packed import PackedInputs
 
 
@@ -68,6 +72,8 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         accelerator.attention_recompute = args.attention_recompute
     with _real_tensors():
         kernels = device_kernels.substitute(model, accelerator, args.fused_kernels)
+    if vision_family(getattr(model, "config", None)) is not None:
+        static_image_merge(model)
     if getattr(args, "expert_parallel_size", 1) > 1:  # the forward the strategy's split selects
         expert_parallel.register()
     placed = precision.convert_module(model)
