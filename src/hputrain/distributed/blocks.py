@@ -4,7 +4,12 @@ One answer, shared by activation checkpointing (each block's activations are rec
 backward) and by sharding (one `fully_shard` per block). The blocks are, in this order of choice:
 
 - the modules whose class is named in `fsdp_block_classes` (TrainingArguments), when given;
-- a Hugging Face model's `_no_split_modules` classes (the layers it never splits across devices);
+- a Hugging Face model's `_no_split_modules` classes (the layers it never splits across devices),
+  those of them that are items of a layer list (an `nn.ModuleList`) where any is: a
+  vision-language model also names its vision tower's embeddings and pooling head there
+  (CLIPVisionEmbeddings, SiglipMultiheadAttentionPoolingHead), which are no repeated block and
+  stay with the root, beside the projector and the norms, while the tower's encoder layers and
+  the decoder layers are blocks;
 - the built-in GPT's `Block`s.
 
 Blocks come in module order, outermost only: a block inside another block is part of it.
@@ -27,7 +32,9 @@ def block_modules(model: nn.Module, class_names: list[str] | None = None) -> lis
         return _outermost(model, set(class_names))
     split = no_split_modules(model)
     if split:
-        return _outermost(model, split)
+        listed = {id(item) for module in model.modules() if isinstance(module, nn.ModuleList)
+                  for item in module}
+        return _outermost(model, split, listed) or _outermost(model, split)
     from ..models.gpt import Block
 
     return [module for module in model.modules() if isinstance(module, Block)]
@@ -75,11 +82,15 @@ def every(blocks: list[nn.Module], k: int) -> list[nn.Module]:
     return blocks[::k]
 
 
-def _outermost(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
+def _outermost(model: nn.Module, class_names: set[str], among: set[int] | None = None) -> list[nn.Module]:
+    """The outermost modules of `model` whose class is in `class_names` (and whose id is in
+    `among`, when given), in module order."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()  # ids of modules within a block already taken
     for module in model.modules():  # parents come before their children
         if id(module) in inside or type(module).__name__ not in class_names:
+            continue
+        if among is not None and id(module) not in among:
             continue
         blocks.append(module)
         inside.update(id(m) for m in module.modules())
