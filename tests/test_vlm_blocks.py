@@ -5,7 +5,7 @@ masked_scatter of image features, unpacked rows, validation, and blocks of the t
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +13,12 @@ import torch
 
 from hputrain.data import packing
 from hputrain.data.vision import blocks
+from hputrain.data.vision.encode import ImageExample, Processing, encode_split
+from hputrain.data.vision.loading import load_image_data
 from hputrain.errors import InputError
 from hputrain.models.vision import image_token_id, vision_family
 
-from .vlm_fixtures import FAMILIES, tiny_vlm_config, vlm_tokenizer
+from .vlm_fixtures import FAMILIES, image_data, save_image_dataset, tiny_vlm_config, vlm_folders, vlm_tokenizer  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,14 +27,11 @@ QWEN_GRIDS = ((1, 4, 4), (1, 2, 8))
 """The stand-in's Qwen buckets: square and wide, 16 patches (4 image tokens) each."""
 
 
-@dataclass
-class Example:
-    """The fields of encode.ImageExample the blocks read."""
-
-    input_ids: np.ndarray
-    labels: np.ndarray
-    images: list
-    buckets: list
+def example(ids, labels, images, buckets, image_token: int) -> ImageExample:
+    ids = np.asarray(ids, dtype=np.int32)
+    at = np.flatnonzero(ids == image_token)
+    return ImageExample(ids, np.asarray(labels, dtype=np.int32), list(images), list(buckets),
+                        int(at[-1]) + 1 if len(at) else 0, "--dataset test line 1")
 
 
 class StandIn:
@@ -42,6 +41,7 @@ class StandIn:
         self.tokenizer = vlm_tokenizer()
         self.config = tiny_vlm_config(family, self.tokenizer)
         self.family = vision_family(self.config)
+        self.image_token_id = image_token_id(self.config)
         self.buckets = [0, 1] if family == "qwen2_5_vl" else [0]
 
     def pixels(self, ref, bucket: int) -> dict:
@@ -66,7 +66,7 @@ def image_tokens(processing, family: str) -> list[int]:
 
 
 def make_examples(processing, family: str, count: int, seed: int = 0, most_images: int = 3,
-                  answer=(2, 30)) -> list[Example]:
+                  answer=(2, 30)) -> list[ImageExample]:
     """`count` examples: a prompt of text and 0 to most_images images (refs numbered from 1),
     then a learned answer."""
     rng = np.random.default_rng(seed)
@@ -80,8 +80,7 @@ def make_examples(processing, family: str, count: int, seed: int = 0, most_image
             ref += 1
         learned = list(rng.integers(10, 60, size=rng.integers(*answer)))
         labels = [-100] * len(ids) + learned
-        examples.append(Example(np.asarray(ids + learned, dtype=np.int32),
-                                np.asarray(labels, dtype=np.int32), refs, buckets))
+        examples.append(example(ids + learned, labels, refs, buckets, processing.image_token_id))
     return examples
 
 
@@ -94,6 +93,11 @@ def stand_ins():
             made[family] = StandIn(family)
         return made[family]
     return get
+
+
+def pack(layout, examples, block_size: int):
+    kept = blocks.cut_examples(examples, np.arange(len(examples)), block_size)
+    return blocks.pack_images(layout, examples, kept, block_size)
 
 
 def segments(block: dict):
@@ -112,7 +116,7 @@ def test_packing_keeps_tokens_slots_and_whole_examples(stand_ins, slots):
     processing = stand_ins("llava")
     examples = make_examples(processing, "llava", 60, most_images=min(slots, 3))
     layout = blocks.BlockLayout(processing, slots)
-    made, stats = blocks.pack_images(layout, examples, np.arange(len(examples)), 64, slots)
+    made, stats = pack(layout, examples, 64)
     seen = []
     for index, block in enumerate(made):
         assert block["input_ids"].shape == (64,)
@@ -128,7 +132,7 @@ def test_packing_keeps_tokens_slots_and_whole_examples(stand_ins, slots):
     assert sorted(seen) == kept and stats.examples == len(kept)
     assert stats.images == sum(len(examples[i].images) for i in kept)
     assert stats.padding_slots == len(made) * slots - stats.images
-    again, _ = blocks.pack_images(layout, examples, np.arange(len(examples)), 64, slots)
+    again, _ = pack(layout, examples, 64)
     assert np.array_equal(again.members.values, made.members.values)
     assert np.array_equal(again.members.offsets, made.members.offsets)
 
@@ -148,15 +152,15 @@ def test_image_packing_of_examples_without_images_is_text_packing():
 def test_cut_after_the_last_image_and_nothing_to_learn(stand_ins):
     processing = stand_ins("llava")
     image = image_tokens(processing, "llava")
-    long = Example(np.asarray([11] + image + list(range(20, 60)), dtype=np.int32),
-                   np.asarray([-100] * 5 + list(range(20, 60)), dtype=np.int32), [1], [0])
-    prompt_only = Example(np.asarray([11] + image + list(range(20, 60)), dtype=np.int32),
-                          np.asarray([-100] * 20 + list(range(35, 60)), dtype=np.int32), [2], [0])
-    kept, cut, stats = blocks.cut_examples([long, prompt_only], [0, 1], 16, image[0])
-    assert kept.tolist() == [0] and cut.tolist() == [16]
+    long = example([11] + image + list(range(20, 60)), [-100] * 5 + list(range(20, 60)), [1], [0], image[0])
+    prompt_only = example([11] + image + list(range(20, 60)), [-100] * 20 + list(range(35, 60)), [2], [0],
+                          image[0])
+    kept = blocks.cut_examples([long, prompt_only], [0, 1], 16)
+    assert kept.indices.tolist() == [0] and kept.lengths.tolist() == [16] and kept.counts.tolist() == [1]
+    stats = kept.stats
     assert (stats.truncated, stats.nothing_to_learn, stats.labels_cut) == (2, 1, 29 + 25)
-    with pytest.raises(InputError, match="past --block-size 4"):
-        blocks.cut_examples([long], [0], 4, image[0])
+    with pytest.raises(InputError, match=r"^--dataset test line 1: .* its last image ends at token 5, past --block-size 4"):
+        blocks.cut_examples([long], [0], 4)
 
 
 def test_default_slots_and_refusal(stand_ins):
@@ -170,7 +174,7 @@ def test_default_slots_and_refusal(stand_ins):
     assert blocks.default_slots([0, 0], [5, 5], 128, 0) == 1  # a slot even without images
     assert blocks.default_slots([1, 1, 1, 1], [5, 5, 5, 5], 128, 1) == 4
     with pytest.raises(InputError, match=r"^--image-slots 2 is fewer than the 3 images of one example"):
-        blocks.pack_images(blocks.BlockLayout(processing, 2), examples, np.arange(40), 128, 2)
+        pack(blocks.BlockLayout(processing, 2), examples, 128)
     with pytest.raises(InputError, match="at least 1"):
         blocks.check_slots(0, 0)
 
@@ -182,7 +186,7 @@ def test_block_labels_and_positions(stand_ins, family):
     processing = stand_ins(family)
     examples = make_examples(processing, family, 12, seed=2)
     layout = blocks.BlockLayout(processing, 4)
-    made, _ = blocks.pack_images(layout, examples, np.arange(len(examples)), 96, 4)
+    made, _ = pack(layout, examples, 96)
     token = image_token_id(processing.config)
     model = None
     if family == "qwen2_5_vl":
@@ -222,7 +226,7 @@ def test_collator_fills_each_image_run_with_its_image(stand_ins, family):
     processing = stand_ins(family)
     examples = make_examples(processing, family, 10, seed=4)
     layout = blocks.BlockLayout(processing, 6)
-    made, _ = blocks.pack_images(layout, examples, np.arange(len(examples)), 80, 6)
+    made, _ = pack(layout, examples, 80)
     items = [made[i] for i in range(len(made))]
     assert len({int(b["image_count"]) for b in items}) > 1
     collator = pickle.loads(pickle.dumps(blocks.ImageCollator(layout.pad_token_id)))
@@ -256,7 +260,8 @@ def test_unpacked_rows(stand_ins, family):
     examples = make_examples(processing, family, 9, seed=5)
     most = max(len(e.images) for e in examples)
     layout = blocks.BlockLayout(processing, most)
-    rows, stats = blocks.unpacked_images(layout, examples, np.arange(9), 128, most)
+    rows, stats = blocks.unpacked_images(layout, examples, blocks.cut_examples(examples, np.arange(9), 128),
+                                          128)
     lengths = [32, 64, 96, 128]
     assert len(rows) == stats.blocks == 9
     for i, row in enumerate(rows):
@@ -275,3 +280,113 @@ def test_unpacked_rows(stand_ins, family):
         assert (batch["input_ids"][i, n:] == layout.pad_token_id).all()
         assert (batch["labels"][i, n:] == -100).all()
         assert batch["seq_lens"][i].tolist() == row["seq_lens"].tolist() + [0] * (width - row["seq_lens"].shape[0])
+
+
+# -- the tiny folders, through load_image_data ---------------------------------------------------------
+
+def rows_of(path):
+    """The recipe's reading of a data set: (where, row, folder) of a split."""
+    from hputrain.recipes import hf_data
+
+    source = Path(path)
+    folder = source if source.is_dir() else source.parent
+    return lambda split: ((where, row, folder) for where, row in hf_data.records(str(path), split))
+
+
+def options(**flags):
+    from hputrain.recipes.hf import HFOptions
+
+    return HFOptions(model="unused", dataset="unused", dataset_num_proc=1, **flags)
+
+
+@pytest.fixture(scope="module")
+def processings(vlm_folders):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = Processing.load(vlm_folders(family))
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_folder_blocks(processings, image_data, family):
+    """Packed blocks of the tiny folders hold encode_split's examples, their images' pixel
+    values in slot order (blank slots: a blank image), Qwen's positions transformers' own."""
+    processing = processings(family)
+    path = image_data("messages")
+    data = load_image_data(str(path), "messages", processing, 96, options(validation_split_percentage=0),
+                           rows=rows_of(path))
+    examples, counted = encode_split(rows_of(path)("train"), "messages", processing, options())
+    assert data.rows.rows == counted.rows == 24 and data.stats.rows == 24
+    assert data.stats.images == counted.images and data.stats.examples == len(examples)
+    assert data.slots >= max(len(e.images) for e in examples)
+    model = transformers.Qwen2_5_VLModel(processing.config) if family == "qwen2_5_vl" else None
+    blank = processing.blank(0)["pixel_values"]
+    for index in range(len(data.train)):
+        block = data.train[index]
+        start = data.train.members.offsets[index]
+        parts = [examples[data.train.members.values[start + k]] for k in range(len(list(segments(block))))]
+        images = [processing.pixels(ref, b) for e in parts for ref, b in zip(e.images, e.buckets)]
+        assert int(block["image_count"]) == len(images)
+        slots = block["pixel_values"].reshape(data.slots, *blank.shape)
+        for k, pixels in enumerate(images):
+            assert torch.equal(slots[k], pixels["pixel_values"])
+        assert all(torch.equal(slot, blank) for slot in slots[len(images):])
+        for e, (at, n) in zip(parts, segments(block)):
+            assert block["input_ids"][at:at + n].tolist() == e.input_ids[:n].tolist()
+            if model is not None:
+                ids = torch.tensor(e.input_ids[:n], dtype=torch.long)[None]
+                grids = torch.stack([p["image_grid_thw"] for p in
+                                     [processing.pixels(r, b) for r, b in zip(e.images, e.buckets)]]) \
+                    if e.images else None
+                reference, _ = model.get_rope_index(ids, mm_token_type_ids=(ids == processing.image_token_id).int(),
+                                                    image_grid_thw=grids)
+                assert torch.equal(block["position_ids"][:, at:at + n], reference[:, 0])
+    batch = data.collator([data.train[i] for i in range(min(3, len(data.train)))])
+    assert batch["input_ids"].shape == (min(3, len(data.train)), 96)
+
+
+def test_validation_is_the_last_examples(processings, image_data):
+    processing = processings("llava")
+    path = image_data("messages")
+    examples, _ = encode_split(rows_of(path)("train"), "messages", processing, options())
+    data = load_image_data(str(path), "messages", processing, 128, options(validation_split_percentage=25),
+                           rows=rows_of(path))
+    held = max(1, len(examples) // 4)
+    assert not data.own_validation
+    assert sorted(data.validation.members.values.tolist()) == list(range(len(examples) - held, len(examples)))
+    assert sorted(data.train.members.values.tolist()) == list(range(len(examples) - held))
+    assert data.stats.examples == len(examples) and data.train.layout is data.validation.layout
+
+
+def test_validation_split_of_a_dataset_dict(processings, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from hputrain.recipes import hf_data
+
+    saved = save_image_dataset(tmp_path / "one", rows=20)
+    whole = datasets.load_from_disk(str(saved))
+    folder = tmp_path / "dict"
+    datasets.DatasetDict({"train": whole.select(range(14)), "validation": whole.select(range(14, 20))}
+                         ).save_to_disk(str(folder))
+    processing = processings("gemma3")
+    data = load_image_data(str(folder), "messages", processing, 128, options(), rows=rows_of(folder),
+                           splits=hf_data.saved_splits(str(folder)))
+    held, _ = encode_split(rows_of(folder)("validation"), "messages", processing, options())
+    assert data.own_validation and data.rows.rows == 20
+    assert sorted(data.validation.members.values.tolist()) == list(range(len(held)))
+    assert [e.input_ids.tolist() for e in data.validation.examples] == [e.input_ids.tolist() for e in held]
+
+
+def test_unpacked_slots_and_the_image_slots_refusal(processings, image_data):
+    processing = processings("qwen2_5_vl")
+    path = image_data("messages")
+    examples, _ = encode_split(rows_of(path)("train"), "messages", processing, options())
+    most = max(len(e.images) for e in examples)
+    data = load_image_data(str(path), "messages", processing, 128,
+                           options(packing=False, validation_split_percentage=0), rows=rows_of(path))
+    assert data.slots == most and len(data.train) == len(examples)
+    assert data.train[0]["image_grid_thw"].shape == (most, 3)
+    with pytest.raises(InputError, match=rf"^--image-slots 1 is fewer than the {most} images of one example"):
+        load_image_data(str(path), "messages", processing, 128, options(image_slots=1), rows=rows_of(path))

@@ -22,17 +22,17 @@ whose image slots are ordered real images first (see its docstring).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ...errors import InputError
-from ...models.vision import image_token_id
 from .. import packing
 from ..batching import bucket_lengths
 from ..packing import IGNORE_INDEX
 from ..token_store import Ragged
+from .encode import check_fits
 
 LENGTH_BUCKETS = 4
 """Unpacked (--no-packing): the block lengths an example is padded to (the smallest that holds
@@ -40,7 +40,7 @@ it), spaced evenly up to the block size."""
 
 
 @dataclass
-class ImageStats(packing.PackingStats):
+class BlockStats(packing.PackingStats):
     """What packing did to the image examples: PackingStats' counts (truncated: cut to the block
     size after their last image), and the images and their slots."""
 
@@ -58,7 +58,7 @@ class ImageStats(packing.PackingStats):
         total = self.images + self.padding_slots
         return self.padding_slots / total if total else 0.0
 
-    def add(self, other: ImageStats) -> None:
+    def add(self, other: BlockStats) -> None:
         """Count `other`'s examples, blocks and images in these (the slots are the same)."""
         for name in ("rows", "examples", "blocks", "truncated", "labels_cut", "nothing_to_learn",
                      "tokens", "padding", "images", "padding_slots"):
@@ -67,21 +67,33 @@ class ImageStats(packing.PackingStats):
 
 # -- what is kept of the examples -------------------------------------------------------------------
 
-def cut_examples(examples, select, block_size: int, image_token: int) -> tuple[np.ndarray, np.ndarray, ImageStats]:
-    """(the selected examples kept, their lengths after the cut, the stats): an example longer
-    than the block is cut to block_size tokens, which must leave its images whole; one with
-    nothing left to learn is left out."""
+@dataclass
+class Kept:
+    """What the cut keeps of some examples: their indices, lengths after the cut and images."""
+
+    indices: np.ndarray
+    lengths: np.ndarray
+    counts: np.ndarray
+    stats: BlockStats
+
+    @property
+    def most(self) -> int:
+        """The most images of one example."""
+        return int(self.counts.max()) if len(self.counts) else 0
+
+
+def cut_examples(examples, select, block_size: int) -> Kept:
+    """The selected examples kept: an example longer than the block is cut to block_size tokens,
+    which must leave its images whole (else one line naming its row: encode.check_fits); one with
+    nothing left to learn is left out (counted)."""
     if not isinstance(block_size, int) or block_size < 1:
         raise InputError(f"the block size must be a whole number of at least 1, got {block_size!r}")
-    stats, kept, lengths = ImageStats(), [], []
+    stats, kept, lengths, counts = BlockStats(), [], [], []
     for i in np.asarray(select, dtype=np.int64).tolist():
         ids, labels = examples[i].input_ids, examples[i].labels
         n = min(len(ids), block_size)
         if len(ids) > block_size:
-            images_end = np.flatnonzero(np.asarray(ids) == image_token)
-            if len(images_end) and images_end[-1] >= block_size:
-                raise InputError(f"image example {i} has image tokens up to token {images_end[-1] + 1}, "
-                                 f"past --block-size {block_size}: raise --block-size")
+            check_fits(examples[i], block_size)
             stats.truncated += 1
             stats.labels_cut += int(np.count_nonzero(np.asarray(labels[block_size:]) != IGNORE_INDEX))
         if packing.first_learned(labels) >= n:
@@ -89,10 +101,10 @@ def cut_examples(examples, select, block_size: int, image_token: int) -> tuple[n
             continue
         kept.append(i)
         lengths.append(n)
-        stats.tokens += n
-        stats.images += len(examples[i].images)
-    stats.examples = len(kept)
-    return np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64), stats
+        counts.append(len(examples[i].images))
+    stats.examples, stats.tokens, stats.images = len(kept), sum(lengths), sum(counts)
+    return Kept(np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+                np.asarray(counts, dtype=np.int64), stats)
 
 
 def default_slots(counts: list[int], lengths: list[int], block_size: int, most: int) -> int:
@@ -157,31 +169,29 @@ def _plan(bins: list[list[int]], kept: np.ndarray, cut: np.ndarray) -> tuple[Rag
     return Ragged(kept[order], offsets), cut[order]
 
 
-def pack_images(layout: BlockLayout, examples, select, block_size: int,
-                slots: int) -> tuple[ImageBlocks, ImageStats]:
-    """The selected examples packed into blocks of block_size tokens and `slots` images (K)."""
-    kept, cut, stats = cut_examples(examples, select, block_size, layout.image_token)
-    counts = [len(examples[i].images) for i in kept.tolist()]
-    check_slots(slots, max(counts, default=0))
-    bins = packing.best_fit_decreasing(cut.tolist(), block_size, counts, slots)
-    members, lengths = _plan(bins, kept, cut)
-    stats.blocks, stats.slots = len(bins), slots
+def pack_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> tuple[ImageBlocks, BlockStats]:
+    """The kept examples packed into blocks of block_size tokens and layout.slots images (K)."""
+    slots = layout.slots
+    check_slots(slots, kept.most)
+    bins = packing.best_fit_decreasing(kept.lengths.tolist(), block_size, kept.counts.tolist(), slots)
+    members, lengths = _plan(bins, kept.indices, kept.lengths)
+    stats = replace(kept.stats, blocks=len(bins), slots=slots)
     stats.padding = stats.blocks * block_size - stats.tokens
     stats.padding_slots = stats.blocks * slots - stats.images
     sizes = np.full(len(bins), block_size, dtype=np.int64)
     return ImageBlocks(layout, examples, members, lengths, sizes), stats
 
 
-def unpacked_images(layout: BlockLayout, examples, select, block_size: int,
-                    slots: int) -> tuple[ImageBlocks, ImageStats]:
+def unpacked_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> tuple[ImageBlocks, BlockStats]:
     """--no-packing: one example a block, its length the smallest of LENGTH_BUCKETS lengths up to
-    block_size that holds it, with `slots` image slots (at least the most of one example)."""
-    kept, cut, stats = cut_examples(examples, select, block_size, layout.image_token)
-    check_slots(slots, max((len(examples[i].images) for i in kept.tolist()), default=0))
+    block_size that holds it, with layout.slots image slots (at least the most of one example)."""
+    slots = layout.slots
+    check_slots(slots, kept.most)
     lengths = bucket_lengths(LENGTH_BUCKETS, block_size)
-    sizes = np.asarray([lengths[np.searchsorted(lengths, n)] for n in cut.tolist()], dtype=np.int64)
-    members, cut = _plan([[j] for j in range(len(kept))], kept, cut)
-    stats.blocks, stats.slots = len(kept), slots
+    sizes = np.asarray([lengths[np.searchsorted(lengths, n)] for n in kept.lengths.tolist()],
+                       dtype=np.int64)
+    members, cut = _plan([[j] for j in range(len(kept.indices))], kept.indices, kept.lengths)
+    stats = replace(kept.stats, blocks=len(sizes), slots=slots)
     stats.padding = int(sizes.sum()) - stats.tokens
     stats.padding_slots = stats.blocks * slots - stats.images
     return ImageBlocks(layout, examples, members, cut, sizes), stats
@@ -198,7 +208,7 @@ class BlockLayout:
         tokenizer = processing.tokenizer
         self.pad_token_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
                                  if t is not None)
-        self.image_token = image_token_id(processing.config)
+        self.image_token = processing.image_token_id
         self.rope = RopeIndex(processing.config) if processing.family.positions == "3d" else None
         self._blank = None
 

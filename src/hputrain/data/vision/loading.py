@@ -1,0 +1,122 @@
+"""An image data set as training and validation blocks of fixed shapes (the recipe's entry point).
+
+`load_image_data` encodes the rows (encode.encode_split), holds validation out as text SFT does
+(a DatasetDict's own "validation" split, or the last --validation-split-percentage percent of the
+examples, before packing, so that no example is in both), chooses the image slots K once for both
+splits (the blocks of a run have one shape) and packs (blocks.pack_images) or pads one example a
+block (blocks.unpacked_images, --no-packing). The blocks hold the plan; pixel values are made when
+a block is read. The encoded examples are not cached on disk yet (every run encodes its rows).
+
+Reading the rows is the recipe's (recipes/hf_data.records, a layer above): it hands a function of
+the split name giving (where, row, folder) triples, and the data set's split names.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import InputError
+from ..token_store import check_workers
+from . import blocks
+from .blocks import BlockLayout, BlockStats, ImageBlocks, ImageCollator, Kept
+from .encode import ImageStats, encode_split
+
+TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"
+
+Rows = Callable[[str], Iterable[tuple[str, dict, Path | None]]]
+"""The rows of a split: (where, row, the folder its image paths are relative to)."""
+
+
+@dataclass
+class ImageData:
+    """The blocks of an image data set, and what became of its rows."""
+
+    fmt: str
+    """The row shape (encode's formats)."""
+    train: ImageBlocks
+    validation: ImageBlocks | None
+    collator: ImageCollator
+    """Stacks blocks, the batch's image slots real images first (a DataLoader's collate_fn)."""
+    stats: BlockStats
+    """Rows, examples, cut, nothing left to learn after the cut, images, slots K, blocks, padding
+    and padding slots (every split)."""
+    rows: ImageStats
+    """What encoding did to the rows (every split): rows, examples, nothing to learn, images."""
+    own_validation: bool = False
+    """The validation blocks are the data set's own "validation" split."""
+    from_cache: bool = False
+    cache_file: Path | None = None
+    """No cache yet: always False and None."""
+
+    @property
+    def slots(self) -> int:
+        return self.stats.slots
+
+
+def load_image_data(path: str, fmt: str, processing, block_size: int, options,
+                    cache_dir: str | Path | None = None, *, rows: Rows,
+                    splits: Sequence[str] = ()) -> ImageData:
+    """The image data set at `path` (rows of `fmt`, read by `rows(split)`; `splits`: its split
+    names) as blocks of block_size tokens. `options` is the recipe's HFOptions (packing,
+    validation_split_percentage, image_slots, dataset_num_proc, and the loss flags encode_split
+    reads); `cache_dir` is not used yet."""
+    percentage = options.validation_split_percentage
+    own = percentage > 0 and VALIDATION_SPLIT in splits
+    workers = check_workers(getattr(options, "dataset_num_proc", None))
+    train, counted = encode_split(rows(TRAIN_SPLIT), fmt, processing, options, workers)
+    if own:
+        held, more = encode_split(rows(VALIDATION_SPLIT), fmt, processing, options, workers)
+        counted = _add(counted, more)
+        train_part, held_part = np.arange(len(train)), np.arange(len(held))
+    else:
+        held = train
+        train_part, held_part = hold_out(len(train), percentage, path)
+    kept = blocks.cut_examples(train, train_part, block_size)
+    kept_held = blocks.cut_examples(held, held_part, block_size) if len(held_part) else None
+    layout = BlockLayout(processing, choose_slots(options, kept, kept_held, block_size))
+    arrange = blocks.pack_images if options.packing else blocks.unpacked_images
+    made, stats = arrange(layout, train, kept, block_size)
+    if not len(made):
+        raise InputError(f"--dataset {path}: no example is left to train on (every one has nothing "
+                         "to learn within --block-size tokens)")
+    validation = None
+    if kept_held is not None:
+        validation, more_stats = arrange(layout, held, kept_held, block_size)
+        stats.add(more_stats)
+    stats.rows = counted.rows
+    return ImageData(fmt, made, validation if validation is not None and len(validation) else None,
+                     ImageCollator(layout.pad_token_id), stats, counted, own_validation=own)
+
+
+def _add(a: ImageStats, b: ImageStats) -> ImageStats:
+    return ImageStats(a.rows + b.rows, a.examples + b.examples, a.nothing_to_learn + b.nothing_to_learn,
+                      a.images + b.images)
+
+
+def choose_slots(options, train: Kept, held: Kept | None, block_size: int) -> int:
+    """K: --image-slots (refused below the most images of one example, in either split), else
+    packed, the mean images per block of a packing by tokens alone (rounded up), unpacked, the
+    most images of one example; at least 1."""
+    most = max(train.most, held.most if held is not None else 0)
+    requested = getattr(options, "image_slots", None)
+    if requested is not None:
+        blocks.check_slots(requested, most)
+        return requested
+    if not options.packing:
+        return max(1, most)
+    return blocks.default_slots(train.counts.tolist(), train.lengths.tolist(), block_size, most)
+
+
+def hold_out(count: int, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the examples trained on, those held out): the last `percentage` percent, at least one."""
+    if percentage <= 0:
+        return np.arange(count), np.arange(0)
+    held_out = max(1, int(count * percentage / 100))
+    if held_out >= count:
+        raise InputError(f"--dataset {path} has {count} example(s), too few to hold "
+                         f"{percentage:g}% out for validation: give more rows, or "
+                         "--validation-split-percentage 0")
+    return np.arange(count - held_out), np.arange(count - held_out, count)
