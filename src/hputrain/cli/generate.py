@@ -2,7 +2,9 @@
 inference (execution/inference.py), or, with `--model DIR --chat QUESTION`, a Hugging Face model's
 answer through its chat template and the static-shape generator of GRPO's rollouts
 (execution/generation.py, recipes/hf_chat.py); the model folder may be a LoRA run's adapter folder
-(on its base, or --base-model DIR)."""
+(on its base, or --base-model DIR). With `--image FILE` (repeatable) the folder is an
+image-text-to-text model's and the question is about the images (recipes/hf_vision_chat.py):
+through the same static-shape generator, the images in its prefill."""
 from __future__ import annotations
 
 import json
@@ -56,6 +58,9 @@ def _check_source(args) -> None:
     if not args.model and not args.checkpoint:
         raise InputError("generate needs --checkpoint DIR (the built-in GPT, with --prompt) or "
                          "--model DIR --chat QUESTION (a Hugging Face model folder)")
+    if args.image and (not args.model or args.chat is None):
+        raise InputError("--image needs --model DIR (an image-text-to-text model folder) and "
+                         "--chat QUESTION about the image")
     if args.model and args.chat is None:
         raise InputError("--model needs --chat QUESTION: the question is rendered through the "
                          "model's chat template")
@@ -79,9 +84,16 @@ def _chat(args, accelerator) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     start = time.perf_counter()
-    answer = chat_answer(folder, args.chat, accelerator, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k,
-                         base_model=args.base_model)
+    if args.image:
+        from ..recipes.hf_vision_chat import vision_answer
+
+        answer = vision_answer(folder, args.chat, args.image, accelerator,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, base_model=args.base_model)
+    else:
+        answer = chat_answer(folder, args.chat, accelerator, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k,
+                             base_model=args.base_model)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"text": answer.text, "tokens": answer.tokens,
@@ -130,6 +142,10 @@ def add_generate_parser(sub) -> None:
                    help="with --model: the user's message, rendered through the chat template with "
                         "the generation prompt; prints only the answer, which stops at the end of "
                         "the turn (eos or the template's end-of-turn token)")
+    p.add_argument("--image", action="append", metavar="FILE",
+                   help="with --model and --chat: an image the question is about (repeat for "
+                        "several, in the order the question names them); the model folder is an "
+                        "image-text-to-text model's (LLaVA, Gemma 3, Qwen2.5-VL)")
     p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy; otherwise at least 1e-4 (MIN_TEMPERATURE). Default: 0 with "

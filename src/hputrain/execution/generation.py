@@ -12,7 +12,10 @@ graph compile each time. Here every shape is fixed after warm-up:
   layer_idx, ...)` is all a model asks of its cache in both;
 - the attention mask is 4-D and made by us from the prompt mask and the write position, so that
   transformers builds none (its sdpa mask reads the mask back to the host to skip it);
-- prefill is one call; then exactly C - 1 decode calls of the same shapes. Finished rows keep
+- prefill is one call (with what a prompt brings beside its tokens, `Prefill`: an
+  image-text-to-text model's images, Qwen's 3-D positions, Gemma 3's image blocks that attend
+  both ways); then exactly C - 1 decode calls of the same shapes, which read images only through
+  the cache. Finished rows keep
   decoding (masked, fed pad_token_id as generate feeds them): no row is dropped and the loop never
   stops early, so every rank of a sharded model calls forward the same number of times;
 - the decode step is one module captured once per (rows, bucket) (`wrap_graph_inference`:
@@ -36,7 +39,7 @@ import torch
 from ..data.batching import base_model
 from ..errors import InputError
 from ..models.gpt import MIN_TEMPERATURE
-from .inference import bucket_for, max_length
+from .inference import bucket_for, max_length, text_config
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -142,6 +145,22 @@ def inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # unnormalised: max is 1
     cdf = weights.cumsum(dim=-1)
     return (cdf < uniform * cdf[:, -1:]).sum(dim=-1)
+
+
+@dataclass
+class Prefill:
+    """What prompts bring beside their tokens, for the prefill only (the decode steps read it
+    through the cache): an image-text-to-text model's images and the positions they take."""
+
+    inputs: dict
+    """Model inputs of the prefill besides the tokens: pixel_values, image_grid_thw, ..."""
+    positions: list[torch.Tensor] | None = None
+    """Per prompt, its tokens' positions: (L,) or (3, L) (Qwen's multimodal RoPE); None: 0..L-1.
+    Decoding continues from the largest position + 1, the same on every row of a 3-D one (text
+    after the prompt, as transformers' rope deltas give it)."""
+    image_groups: list[torch.Tensor] | None = None
+    """Per prompt (L,): the image each token belongs to (0, 1, ...) where the tokens of one image
+    attend to each other both ways in the prefill (Gemma 3), -1 for other tokens; None: causal."""
 
 
 @dataclass
@@ -259,15 +278,19 @@ class DecodeStep(torch.nn.Module):
         """Which prompt columns are tokens (the completion columns always attend)."""
         self.keys_valid[:, :prompt_mask.shape[1]].copy_(prompt_mask.bool())
 
-    def forward(self, input_ids, position_ids, cache_position) -> torch.Tensor:
+    def forward(self, input_ids, position_ids, cache_position, image_groups=None,
+                **inputs) -> torch.Tensor:
+        """`image_groups` and `inputs` (Prefill's) only in the prefill."""
         self.cache.position = cache_position
-        output = self.model(input_ids=input_ids, attention_mask=self._mask(cache_position),
+        output = self.model(input_ids=input_ids,
+                            attention_mask=self._mask(cache_position, image_groups),
                             position_ids=position_ids, use_cache=True,
-                            **{self.cache_name: self.cache}, **self.keep_last)
+                            **{self.cache_name: self.cache}, **self.keep_last, **inputs)
         return output.logits[:, -1].float()
 
-    def _mask(self, cache_position: torch.Tensor) -> torch.Tensor:
-        return attention_mask(self.keys_valid, cache_position, self.additive, self.mask_dtype)
+    def _mask(self, cache_position: torch.Tensor, image_groups=None) -> torch.Tensor:
+        return attention_mask(self.keys_valid, cache_position, self.additive, self.mask_dtype,
+                              image_groups)
 
 
 def mask_kind(model) -> tuple[bool, torch.dtype]:
@@ -279,16 +302,23 @@ def mask_kind(model) -> tuple[bool, torch.dtype]:
 
 
 def attention_mask(keys_valid: torch.Tensor, positions: torch.Tensor, additive: bool,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, image_groups: torch.Tensor | None = None) -> torch.Tensor:
     """(B, 1, q, K), made on the device: the query at each of `positions` (q of the K columns)
     sees the valid keys (`keys_valid`, (B, K)) up to its own column, and itself always (a padding
-    query with nothing to see would make softmax NaN). Given 4-D, transformers uses it as it is:
-    it reads no 2-D mask back to the host to see whether it may skip it (a graph break in lazy
-    mode)."""
+    query with nothing to see would make softmax NaN); with `image_groups` ((B, q), the queries
+    being the first q columns: a prefill), also the later tokens of its own image (Gemma 3's
+    rule: group ids >= 0, equal). Given 4-D, transformers uses it as it is: it reads no 2-D mask
+    back to the host to see whether it may skip it (a graph break in lazy mode)."""
     columns = torch.arange(keys_valid.shape[1], device=positions.device)
     causal = columns[None, :] <= positions[:, None]
     itself = columns[None, :] == positions[:, None]
     allowed = (keys_valid.bool()[:, None, None, :] & causal) | itself
+    if image_groups is not None:
+        width = keys_valid.shape[1] - image_groups.shape[1]
+        keys = torch.nn.functional.pad(image_groups, (0, width), value=-1)
+        same = (image_groups[:, None, :, None] == keys[:, None, None, :]) & (
+            image_groups >= 0)[:, None, :, None]
+        allowed = allowed | same
     if not additive:
         return allowed
     blocked = allowed.eq(False)
@@ -311,6 +341,7 @@ def _sliding_window(model, length: int) -> None:
     """Refuse a model whose attention slides over fewer tokens than the cache: the 4-D mask made
     here is full causal attention."""
     config = getattr(base_model(model), "config", None)
+    config = text_config(config)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or ()
     uses = getattr(config, "use_sliding_window", True) is not False
@@ -386,9 +417,11 @@ class StaticGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling(),
-                 generator: torch.Generator | None = None) -> Rollout:
+                 generator: torch.Generator | None = None,
+                 prefill: Prefill | None = None) -> Rollout:
         """Completions of exactly max_completion_length tokens for `prompts` (token ids), drawn
-        with `sampling` and random numbers from `generator` (torch's default one when None)."""
+        with `sampling` and random numbers from `generator` (torch's default one when None);
+        `prefill`: what the prompts bring beside their tokens (images)."""
         sampling.check()
         prompt_ids, prompt_mask = self.prepare(prompts)
         rows, bucket = prompt_ids.shape
@@ -400,7 +433,8 @@ class StaticGenerator:
         self.model.eval()  # no dropout in a rollout; the caller's mode comes back after
         try:
             start = time.perf_counter()
-            tokens = self._run(slot, sample, sampling, generator, prompt_ids, prompt_mask)
+            tokens = self._run(slot, sample, sampling, generator, prompt_ids, prompt_mask,
+                               prefill)
             mask = completion_mask(tokens, self.eos)
             self.accelerator.mark_step()  # the rollout's last graph, the same every time
             self.accelerator.synchronize()
@@ -410,12 +444,15 @@ class StaticGenerator:
         return Rollout(prompt_ids, prompt_mask, tokens, mask, seconds)
 
     def _run(self, slot: _Slot, sample, sampling: Sampling, generator, prompt_ids,
-             prompt_mask) -> torch.Tensor:
+             prompt_mask, prefill: Prefill | None = None) -> torch.Tensor:
         """Prefill, then C - 1 decode steps of the same shapes; (B, C) completion ids."""
         rows, bucket = prompt_ids.shape
         slot.step.set_prompt_mask(prompt_mask)
         # positions as transformers' generate gives them under left padding
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp_min(0)
+        extra = {}
+        if prefill is not None:
+            positions, extra = self._prefill_inputs(prefill, positions, bucket)
         seen = None
         if sampling.repetition_penalty != 1.0:  # the prompt's tokens count, its padding not
             seen = torch.zeros(rows, _vocab_size(self.model), dtype=torch.bool, device=self.device)
@@ -423,8 +460,9 @@ class StaticGenerator:
         finished = torch.zeros(rows, dtype=torch.long, device=self.device)
         with self.accelerator.forward_context():
             logits = slot.step(prompt_ids, positions,
-                               torch.arange(bucket, device=self.device))
-        position = positions[:, -1:] + 1
+                               torch.arange(bucket, device=self.device), **extra)
+        last = positions[..., -1:]  # (B, 1), or (3, B, 1): text goes on from the largest
+        position = (last.amax(dim=0) if last.dim() == 3 else last) + 1
         column = torch.tensor([bucket], device=self.device)
         out = []
         for step in range(self.completion):
@@ -441,6 +479,26 @@ class StaticGenerator:
                 position, column = position + 1, column + 1
             self.accelerator.mark_step()
         return torch.stack(out, dim=1)
+
+    def _prefill_inputs(self, prefill: Prefill, positions: torch.Tensor,
+                        bucket: int) -> tuple[torch.Tensor, dict]:
+        """(the prefill's position ids, its other inputs): Prefill's per-prompt positions and
+        image groups left-padded to the bucket (padding at position 0, in no image), its model
+        inputs on the device."""
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in prefill.inputs.items()}
+        if prefill.positions is not None:
+            positions = torch.stack([_left_pad(p, bucket, 0) for p in prefill.positions], dim=-2)
+            positions = positions.to(self.device)  # (B, P), or (3, B, P)
+        if prefill.image_groups is not None:
+            extra["image_groups"] = torch.stack(
+                [_left_pad(g, bucket, -1) for g in prefill.image_groups]).to(self.device)
+        return positions, extra
+
+
+def _left_pad(values: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """`values` (..., L) left-padded with `value` to (..., length)."""
+    return torch.nn.functional.pad(values.long(), (length - values.shape[-1], 0), value=value)
 
 
 def uniform_noise(rows: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -43,11 +43,21 @@ def max_length(model) -> tuple[int, str] | None:
     """The longest input `model` takes and the config field that says so; None when its config
     names none (T5's relative positions, a model without a config)."""
     config = getattr(model, "config", None)
+    config = text_config(config)
     for field in MAX_LENGTH_FIELDS:
         value = getattr(config, field, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value, field
     return None
+
+
+def text_config(config):
+    """An image-text-to-text model's config: its language model's (where the length and the
+    attention window are); any other config itself."""
+    try:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:  # several text configs (an encoder's and a decoder's): the whole one
+        return config
 
 
 def capped_buckets(buckets, limit: int | None) -> tuple[int, ...]:

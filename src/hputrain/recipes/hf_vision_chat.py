@@ -1,0 +1,233 @@
+"""`hputrain generate --model DIR --image FILE --chat QUESTION`: an image-text-to-text model's
+answer about one or more images (a model folder, a LoRA run's final/ of one, or a merged
+export), through the same static-shape generator as a text model's answer (recipes/hf_chat.py,
+execution/generation.py).
+
+The question is one user message whose content is an image part per --image, then the text,
+rendered by the folder's chat template with the generation prompt. The images go through the
+folder's processor (LLaVA, Gemma 3: the processor object expands each image's placeholder into
+its image tokens); where the processor class cannot be built (Qwen2.5-VL without torchvision),
+through its image processor and tokenizer, each `<|image_pad|>` repeated grid_t*grid_h*grid_w /
+merge^2 times, as Qwen's processor does. The prefill carries the pixel values (execution.
+generation.Prefill), Qwen's 3-D positions (the model's own get_rope_index) and, for Gemma 3, the
+image blocks that attend both ways; the decode steps read the images through the cache only, so
+they keep the fixed shapes of text generation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint.model_folders import adapter_base, is_adapter_folder, load_adapter
+from ..errors import InputError
+from ..execution.generation import Prefill, Sampling, StaticGenerator
+from ..models.vision import image_token_id, is_image_text_to_text, vision_family
+from .hf_chat import ChatAnswer, stop_token_ids
+
+MODEL_INPUTS_LEFT_OUT = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+"""What a processor returns that the prefill does not pass as it is: the tokens (the generator
+pads them), the mask (it makes its own) and the token types (read here into positions and image
+blocks)."""
+
+
+@dataclass
+class ImagePrompt:
+    """A rendered question with its images, as the generator takes it."""
+
+    ids: list[int]
+    prefill: Prefill
+
+
+def image_model_config(folder: Path, base_model: str | None = None, flag: str = "--model"):
+    """The transformers config of `folder` (an adapter folder's base model's), or None when it
+    cannot be read; read before any weight is, to refuse --image for a text model at once."""
+    import transformers
+
+    source = adapter_base(folder, base_model, flag) if is_adapter_folder(folder) else folder
+    try:
+        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def check_image_model(folder: Path, base_model: str | None = None) -> None:
+    """One line unless `folder` holds an image-text-to-text model hputrain covers."""
+    from ..models.vision import refusal
+
+    config = image_model_config(folder, base_model)
+    if config is None or not is_image_text_to_text(config):
+        kind = getattr(config, "model_type", "not readable")
+        raise InputError(f"--image needs an image-text-to-text model folder, and --model {folder} "
+                         f"holds a text model ({kind}): ask without --image, or give a "
+                         "vision-language model's folder")
+    if vision_family(config) is None:
+        raise InputError(f"--model {folder}: {refusal(config.model_type)}")
+
+
+def open_images(paths: list[str]) -> list:
+    """Each --image as an RGB PIL image; one line naming a missing or unreadable file."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for name in paths:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise InputError(f"--image {name}: no such file")
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InputError(f"--image {name} cannot be read as an image: {first}") from None
+    return images
+
+
+def load_vision_for_chat(folder: Path, base_model: str | None = None):
+    """(model in float32, processor or None, tokenizer, image processor) of a VLM folder or of a
+    LoRA adapter folder of one (its adapters on its base; the processor the folder's own where it
+    holds one, else the base's)."""
+    import torch
+    import transformers
+
+    base = adapter_base(folder, base_model) if is_adapter_folder(folder) else folder
+    try:
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            base.resolve(), dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"--model {folder} cannot be loaded as an image-text-to-text model: "
+                         f"{first}") from None
+    if base != folder:
+        model = load_adapter(model, folder)
+    sources = [folder] if base == folder else [folder, base]
+    processor, tokenizer, images = _processing(sources)
+    return model, processor, tokenizer, images
+
+
+def _processing(sources: list[Path]):
+    """(processor or None, tokenizer, image processor) from the first of `sources` that holds
+    them: AutoProcessor where its class can be built, else AutoTokenizer + AutoImageProcessor."""
+    import transformers
+
+    last = None
+    for source in sources:
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(source, local_files_only=True)
+            if hasattr(processor, "image_processor") and hasattr(processor, "tokenizer"):
+                return processor, processor.tokenizer, processor.image_processor
+        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+            last = exc  # Qwen2.5-VL's processor without torchvision: its parts below
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+            images = transformers.AutoImageProcessor.from_pretrained(source, local_files_only=True)
+            return None, tokenizer, images
+        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+            last = exc
+    first = (str(last).strip().splitlines() or [type(last).__name__])[0]
+    raise InputError(f"--model {sources[0]}: no processor (nor tokenizer and image processor) "
+                     f"could be loaded: {first}")
+
+
+def image_prompt(model, processor, tokenizer, image_processor, question: str,
+                 images: list) -> ImagePrompt:
+    """The question about `images` rendered and encoded as the model takes it (module
+    docstring): the prompt's token ids and its Prefill."""
+    import torch
+
+    config = _inner_config(model)
+    messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
+                 + [{"type": "text", "text": question}]}]
+    renderer = processor if processor is not None and processor.chat_template else tokenizer
+    if not isinstance(getattr(renderer, "chat_template", None), str):
+        raise InputError("--model: neither its processor nor its tokenizer has a chat template, so "
+                         "--chat cannot render the question")
+    text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if processor is not None:
+        encoded = dict(processor(text=[text], images=images, return_tensors="pt"))
+    else:
+        encoded = _qwen_encoding(config, tokenizer, image_processor, text, images)
+    ids = encoded["input_ids"][0]
+    family = vision_family(config)
+    image_id = image_token_id(config)
+    positions = groups = None
+    if family.positions == "3d":
+        types = (ids == image_id).int()[None]
+        rope, _ = _inner(model).get_rope_index(ids[None], types,
+                                               image_grid_thw=encoded.get("image_grid_thw"))
+        positions = [rope[:, 0]]
+    if family.bidirectional_images:
+        groups = [image_groups(ids, image_id)]
+    inputs = {k: v for k, v in encoded.items() if k not in MODEL_INPUTS_LEFT_OUT}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(torch.float32)
+    return ImagePrompt(ids.tolist(), Prefill(inputs, positions, groups))
+
+
+def image_groups(ids, image_id: int):
+    """(L,): the image each token belongs to (0, 1, ... by contiguous runs of `image_id`), -1 for
+    the others: the blocks Gemma 3's tokens of one image attend within both ways."""
+    import torch
+
+    is_image = ids == image_id
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:-1]
+    return torch.where(is_image, starts.long().cumsum(0) - 1, -1)
+
+
+def _qwen_encoding(config, tokenizer, image_processor, text: str, images: list) -> dict:
+    """What Qwen2.5-VL's processor returns for `text` and `images`, made by its parts: the image
+    processor's pixel values and grids, and each image's `<|image_pad|>` repeated by its grid
+    (t * h * w / merge^2)."""
+    found = image_processor(images=images, return_tensors="pt")
+    grids = found["image_grid_thw"]
+    merge = getattr(image_processor, "merge_size", None) or config.vision_config.spatial_merge_size
+    pad = tokenizer.convert_ids_to_tokens(image_token_id(config))
+    pieces = text.split(pad)
+    if len(pieces) - 1 != len(images):
+        raise InputError(f"--model: the chat template wrote {len(pieces) - 1} image placeholders "
+                         f"({pad}) for {len(images)} images")
+    expanded = pieces[0]
+    for grid, piece in zip(grids, pieces[1:]):
+        expanded += pad * (int(grid.prod()) // merge**2) + piece
+    ids = tokenizer(expanded, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "pixel_values": found["pixel_values"], "image_grid_thw": grids}
+
+
+def vision_answer(folder: Path, question: str, image_paths: list[str], accelerator, *,
+                  max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                  base_model: str | None = None) -> ChatAnswer:
+    """The model's answer to `question` about the images (see the module docstring and
+    recipes/hf_chat.chat_answer, whose answer it is for text)."""
+    check_image_model(folder, base_model)
+    images = open_images(image_paths)
+    model, processor, tokenizer, image_processor = load_vision_for_chat(folder, base_model)
+    prompt = image_prompt(model, processor, tokenizer, image_processor, question, images)
+    device = accelerator.setup(0)
+    model = model.to(device).eval()
+    stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+    pad = next((t for t in (tokenizer.pad_token_id, *stops) if t is not None), None)
+    if not stops or pad is None:
+        raise InputError(f"--model {folder}: neither its tokenizer nor its generation config "
+                         "names an eos token, so the answer has no end")
+    engine = StaticGenerator(model, accelerator, max_completion_length=max_new_tokens,
+                             eos_token_ids=stops, pad_token_id=pad, graphs=False)
+    rollout = engine.generate([prompt.ids], Sampling(temperature=temperature, top_k=top_k or 0),
+                              prefill=prompt.prefill)
+    length = int(rollout.completion_mask[0].sum())
+    new = rollout.completion_ids[0, :length].tolist()
+    return ChatAnswer(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new),
+                      len(prompt.ids), stops)
+
+
+def _inner(model):
+    """The transformers model under PEFT's wrapper, then its inner `model` (tower, projector and
+    language model: where get_rope_index lives)."""
+    from ..data.batching import base_model
+
+    top = base_model(model)
+    return getattr(top, "model", top)
+
+
+def _inner_config(model):
+    from ..data.batching import base_model
+
+    return base_model(model).config

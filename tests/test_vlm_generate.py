@@ -1,0 +1,186 @@
+"""Issue 41 item 6: `hputrain generate --model DIR --image FILE --chat QUESTION` on the three
+tiny families. The reference: transformers' own model.generate (greedy) on the same inputs
+(the processor's, or, for Qwen2.5-VL here, its image processor's and tokenizer's), and the
+processor's own encoding of the rendered question."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hputrain.cli import main
+
+from .hf_fixtures import on_cpu  # noqa: F401  (fixture)
+from .vlm_fixtures import FAMILIES, vlm_folders, write_images  # noqa: F401  (fixture)
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pictures")
+    return [str(folder / name) for name in write_images(folder, 3, seed=5)]
+
+
+class _Logits(torch.nn.Module):
+    """A capture that runs the module as it is and keeps the logits each sampler call sees."""
+
+    def __init__(self, module, seen: list) -> None:
+        super().__init__()
+        self.module, self.seen = module, seen
+
+    def forward(self, *args, **kwargs):
+        from hputrain.execution.generation import Sampler
+
+        if isinstance(self.module, Sampler):
+            self.seen.append(args[0].clone())
+        return self.module(*args, **kwargs)
+
+
+def _ours(folder, question, paths, seen=None):
+    """(the prompt, our greedy tokens, the model, the stop ids, the tokenizer) through hputrain's
+    path; `seen` gets the logits of each step (the decode step and the sampler "captured" by
+    _Logits: the graph path's structure, run eagerly)."""
+    from hputrain.accelerators import detect_accelerator
+    from hputrain.execution.generation import Sampling, StaticGenerator
+    from hputrain.recipes.hf_chat import stop_token_ids
+    from hputrain.recipes.hf_vision_chat import image_prompt, load_vision_for_chat, open_images
+
+    model, processor, tokenizer, images = load_vision_for_chat(folder)
+    model.eval()
+    prompt = image_prompt(model, processor, tokenizer, images, question, open_images(paths))
+    stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+    seen = [] if seen is None else seen
+    engine = StaticGenerator(model, detect_accelerator("cpu"), max_completion_length=NEW_TOKENS,
+                             eos_token_ids=stops, pad_token_id=tokenizer.pad_token_id, graphs=True,
+                             capture=lambda module: _Logits(module, seen))
+    rollout = engine.generate([prompt.ids], Sampling(temperature=0.0), prefill=prompt.prefill)
+    return prompt, rollout.completion_ids[0].tolist(), model, stops, tokenizer
+
+
+def _transformers_generate(model, prompt, stops, tokenizer, scores=None):
+    """model.generate, greedy, on the prompt's ids and its processor inputs (Gemma 3's token
+    types and Qwen's modality types as its processor gives them); `scores` gets its logits."""
+    ids = torch.tensor([prompt.ids])
+    config = model.config
+    from hputrain.models.vision import image_token_id
+
+    extra = {}
+    if config.model_type == "gemma3":
+        extra["token_type_ids"] = (ids == image_token_id(config)).long()
+    if config.model_type == "qwen2_5_vl":
+        extra["mm_token_type_ids"] = (ids == image_token_id(config)).int()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         **prompt.prefill.inputs, **extra, max_new_tokens=NEW_TOKENS,
+                         do_sample=False, eos_token_id=stops,
+                         pad_token_id=tokenizer.pad_token_id, output_logits=True,
+                         return_dict_in_generate=True)
+    if scores is not None:
+        scores.extend(out.logits)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    return new + [tokenizer.pad_token_id] * (NEW_TOKENS - len(new))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("count", [1, 2])
+def test_greedy_answer_equals_transformers_generate(family, count, vlm_folders, pictures):
+    """One image and two: the static prefill (images, Qwen's 3-D positions, Gemma 3's image
+    blocks) and its decode steps give transformers' greedy tokens."""
+    seen, scores = [], []
+    prompt, ours, model, stops, tokenizer = _ours(vlm_folders(family), "what is it",
+                                                  pictures[:count], seen)
+    assert ours == _transformers_generate(model, prompt, stops, tokenizer, scores)
+    # every step's logits, the prefill's first: images, positions and masks as transformers has them
+    for step, (mine, theirs) in enumerate(zip(seen, scores)):
+        torch.testing.assert_close(mine, theirs.float(), rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    image_id = model.config.image_token_id
+    per_image = {"llava": 4, "gemma3": 4}.get(family)
+    if per_image:  # the processor's expansion: a fixed number of image tokens per image
+        assert prompt.ids.count(image_id) == per_image * count
+    assert len(set(ours)) > 1  # the model says something: a wrong prefill would show
+
+
+def test_qwen_prompt_equals_the_image_processors_grid(vlm_folders, pictures):
+    """Qwen2.5-VL (no processor class here): each image's <|image_pad|> repeated by the image
+    processor's grid (t*h*w / merge^2), and the 3-D positions transformers' get_rope_index gives
+    for the expanded prompt."""
+    from hputrain.recipes.hf_vision_chat import image_prompt, load_vision_for_chat, open_images
+
+    folder = vlm_folders("qwen2_5_vl")
+    model, processor, tokenizer, images = load_vision_for_chat(folder)
+    assert processor is None
+    opened = open_images(pictures[:2])
+    prompt = image_prompt(model, processor, tokenizer, images, "what is it", opened)
+    grids = images(images=opened, return_tensors="pt")["image_grid_thw"]
+    pad = model.config.image_token_id
+    assert prompt.ids.count(pad) == int(grids.prod(dim=1).sum()) // 4
+    assert torch.equal(prompt.prefill.inputs["image_grid_thw"], grids)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                      {"type": "text", "text": "what is it"}]}],
+        add_generation_prompt=True, tokenize=False)
+    text = rendered.replace("<|image_pad|>", "")
+    assert tokenizer.decode([t for t in prompt.ids if t != pad]) == text
+    ids = torch.tensor([prompt.ids])
+    reference, _ = model.model.get_rope_index(ids, (ids == pad).int(), image_grid_thw=grids)
+    assert torch.equal(prompt.prefill.positions[0], reference[:, 0])
+
+
+def test_the_cli_answers_and_a_lora_final_folder_loads_on_its_base(vlm_folders, pictures, tmp_path,
+                                                                     capsys):
+    """`hputrain generate --model DIR --image FILE --chat Q` prints the answer our path gives;
+    an adapter folder (PEFT's save_pretrained, the processor beside it) answers as PEFT's model
+    on its base does."""
+    peft = pytest.importorskip("peft")
+    folder = vlm_folders("llava")
+    assert main(["generate", "--model", str(folder), "--image", pictures[0], "--chat", "what is it",
+                 "--max-new-tokens", str(NEW_TOKENS), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    prompt, ours, model, stops, tokenizer = _ours(folder, "what is it", pictures[:1])
+    length = next((i + 1 for i, t in enumerate(ours) if t in stops), len(ours))
+    assert answer["tokens"] == length
+    assert answer["text"] == tokenizer.decode(ours[:length], skip_special_tokens=True).strip()
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForImageTextToText.from_pretrained(folder)
+    config = peft.LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)",
+                             init_lora_weights=False)
+    adapted = peft.get_peft_model(base, config)
+    final = tmp_path / "final"
+    adapted.save_pretrained(final)
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja"):
+        if (folder / name).exists():
+            shutil.copy(folder / name, final / name)
+    prompt, ours, model, stops, tokenizer = _ours(final, "what is it", pictures[:1])
+    assert type(model).__name__ == "PeftModelForCausalLM" or hasattr(model, "peft_config")
+    adapted.eval()
+    assert ours == _transformers_generate(adapted, prompt, stops, tokenizer)
+
+
+@pytest.mark.parametrize("case", ["text model", "missing", "unreadable", "no chat"])
+def test_bad_image_requests_are_one_line(case, vlm_folders, pictures, tmp_path, capsys):
+    from .hf_fixtures import tiny_llama_folder
+
+    folder, image, more = vlm_folders("llava"), pictures[0], ["--chat", "what is it"]
+    if case == "text model":
+        folder = tiny_llama_folder(tmp_path / "llama")
+    elif case == "missing":
+        image = str(tmp_path / "nowhere.png")
+    elif case == "unreadable":
+        image = str(tmp_path / "broken.png")
+        (tmp_path / "broken.png").write_text("not an image")
+    else:
+        more = []
+    capsys.readouterr()  # what making the folders printed
+    assert main(["generate", "--model", str(folder), "--image", image, *more]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--image" in err[0], err
+    expected = {"text model": "text model", "missing": "no such file",
+                "unreadable": "cannot be read as an image", "no chat": "--chat"}[case]
+    assert expected in err[0]
