@@ -5,7 +5,6 @@ masked_scatter of image features, unpacked rows, validation, and blocks of the t
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +14,12 @@ from hputrain.data import packing
 from hputrain.data.vision import blocks
 from hputrain.data.vision.encode import ImageExample, Processing, encode_split
 from hputrain.data.vision.loading import load_image_data
+from hputrain.data.vision.rows import split_rows
 from hputrain.errors import InputError
 from hputrain.models.vision import image_token_id, vision_family
 
-from .vlm_fixtures import FAMILIES, image_data, save_image_dataset, tiny_vlm_config, vlm_folders, vlm_tokenizer  # noqa: F401
+from .vlm_fixtures import image_data, vlm_folders  # noqa: F401
+from .vlm_fixtures import FAMILIES, save_image_dataset, tiny_vlm_config, vlm_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +45,7 @@ class StandIn:
         self.image_token_id = image_token_id(self.config)
         self.buckets = [0, 1] if family == "qwen2_5_vl" else [0]
 
-    def pixels(self, ref, bucket: int) -> dict:
+    def pixels(self, ref, bucket: int, where: str | None = None) -> dict:
         if self.family.positions != "3d":
             return {"pixel_values": np.full((3, 28, 28), float(ref), dtype=np.float32)}
         grid = QWEN_GRIDS[bucket]
@@ -159,7 +160,8 @@ def test_cut_after_the_last_image_and_nothing_to_learn(stand_ins):
     assert kept.indices.tolist() == [0] and kept.lengths.tolist() == [16] and kept.counts.tolist() == [1]
     stats = kept.stats
     assert (stats.truncated, stats.nothing_to_learn, stats.labels_cut) == (2, 1, 29 + 25)
-    with pytest.raises(InputError, match=r"^--dataset test line 1: .* its last image ends at token 5, past --block-size 4"):
+    with pytest.raises(InputError, match=r"^--dataset test line 1: .* last image ends at token 5, "
+                                         r"past --block-size 4"):
         blocks.cut_examples([long], [0], 4)
 
 
@@ -279,7 +281,8 @@ def test_unpacked_rows(stand_ins, family):
             [list(range(width - n))] * 3 if family == "qwen2_5_vl" else list(range(width - n)))
         assert (batch["input_ids"][i, n:] == layout.pad_token_id).all()
         assert (batch["labels"][i, n:] == -100).all()
-        assert batch["seq_lens"][i].tolist() == row["seq_lens"].tolist() + [0] * (width - row["seq_lens"].shape[0])
+        more = width - row["seq_lens"].shape[0]
+        assert batch["seq_lens"][i].tolist() == row["seq_lens"].tolist() + [0] * more
 
 
 # -- the tiny folders, through load_image_data ---------------------------------------------------------
@@ -288,9 +291,7 @@ def rows_of(path):
     """The recipe's reading of a data set: (where, row, folder) of a split."""
     from hputrain.recipes import hf_data
 
-    source = Path(path)
-    folder = source if source.is_dir() else source.parent
-    return lambda split: ((where, row, folder) for where, row in hf_data.records(str(path), split))
+    return lambda split: split_rows(str(path), split, hf_data.records, hf_data.source_files)
 
 
 def options(**flags):
@@ -341,8 +342,8 @@ def test_tiny_folder_blocks(processings, image_data, family):
                 grids = torch.stack([p["image_grid_thw"] for p in
                                      [processing.pixels(r, b) for r, b in zip(e.images, e.buckets)]]) \
                     if e.images else None
-                reference, _ = model.get_rope_index(ids, mm_token_type_ids=(ids == processing.image_token_id).int(),
-                                                    image_grid_thw=grids)
+                kinds = (ids == processing.image_token_id).int()
+                reference, _ = model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grids)
                 assert torch.equal(block["position_ids"][:, at:at + n], reference[:, 0])
     batch = data.collator([data.train[i] for i in range(min(3, len(data.train)))])
     assert batch["input_ids"].shape == (min(3, len(data.train)), 96)

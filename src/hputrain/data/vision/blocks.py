@@ -182,7 +182,8 @@ def pack_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> t
     return ImageBlocks(layout, examples, members, lengths, sizes), stats
 
 
-def unpacked_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> tuple[ImageBlocks, BlockStats]:
+def unpacked_images(layout: BlockLayout, examples, kept: Kept,
+                    block_size: int) -> tuple[ImageBlocks, BlockStats]:
     """--no-packing: one example a block, its length the smallest of LENGTH_BUCKETS lengths up to
     block_size that holds it, with layout.slots image slots (at least the most of one example)."""
     slots = layout.slots
@@ -210,7 +211,6 @@ class BlockLayout:
                                  if t is not None)
         self.image_token = processing.image_token_id
         self.rope = RopeIndex(processing.config) if processing.family.positions == "3d" else None
-        self._blank = None
 
     def block(self, parts: list[tuple[object, int]], size: int) -> dict:
         """The block of `parts` ((ImageExample, length after the cut) pairs), `size` tokens long."""
@@ -222,7 +222,7 @@ class BlockLayout:
         images, at = [], 0
         for k, (example, n) in enumerate(parts):
             ids = torch.from_numpy(np.asarray(example.input_ids[:n], dtype=np.int64))
-            pixels = [self.processing.pixels(ref, bucket)
+            pixels = [self.processing.pixels(ref, bucket, example.where)
                       for ref, bucket in zip(example.images, example.buckets)]
             input_ids[at:at + n] = ids
             labels[at:at + n] = torch.from_numpy(np.asarray(example.labels[:n], dtype=np.int64))
@@ -236,7 +236,8 @@ class BlockLayout:
         count = len(images)
         if count > self.slots:
             raise ValueError(f"a block of {count} images has {self.slots} slots")
-        images += [self.blank()] * (self.slots - count)
+        # Padding slots: a blank image of the first bucket.
+        images += [self.processing.blank(0)] * (self.slots - count)
         block = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
                  "seq_lens": seq_lens, **stack_images(images), "image_count": torch.tensor(count)}
         return block
@@ -248,15 +249,6 @@ class BlockLayout:
         grids = torch.stack([torch.as_tensor(p["image_grid_thw"]).reshape(3) for p in pixels]) \
             if pixels else None
         return self.rope(ids, grids, self.image_token)
-
-    def blank(self) -> dict:
-        """The pixel values of a padding slot: a blank image of the first bucket (made once)."""
-        if self._blank is None:
-            self._blank = self.processing.blank(0)
-        return self._blank
-
-    def __getstate__(self) -> dict:
-        return self.__dict__ | {"_blank": None}
 
 
 def stack_images(images: list[dict]) -> dict:
@@ -336,7 +328,8 @@ class ImageCollator:
             return block
         more = size - length
         used = int(block["seq_lens"].sum())
-        position_ids = torch.arange(length - used, size - used).expand(*block["position_ids"].shape[:-1], more)
+        rows = block["position_ids"].shape[:-1]
+        position_ids = torch.arange(length - used, size - used).expand(*rows, more)
         return block | {
             "input_ids": torch.cat([block["input_ids"], torch.full((more,), self.pad_token_id)]),
             "labels": torch.cat([block["labels"], torch.full((more,), IGNORE_INDEX)]),
