@@ -10,7 +10,7 @@ Dynamic-resolution families (Qwen2.5-VL): sizes in multiples of the patch x merg
 within the image processor's min_pixels..max_pixels (there its own resize leaves an image be),
 tokens = (width / 28) x (height / 28). --image-buckets WxH, or three defaults of equal token
 count: square, wide and tall (the largest square count up to 256 tokens that the pixel limits
-allow and that has a wide shape near 2:1, e.g. 336x336, 448x252, 252x448: 144 tokens each).
+allow and that has a wide shape near 16:9, e.g. 336x336, 448x252, 252x448: 144 tokens each).
 Each image goes into the bucket nearest its aspect ratio and is resized there (the processor's
 resampling filter); buckets whose token counts differ are one line naming each.
 """
@@ -25,8 +25,8 @@ from ...errors import InputError
 DEFAULT_MAX_TOKENS = 256
 """The default buckets of a dynamic-resolution family give at most this many tokens an image."""
 
-WIDE_RATIO = 2.0
-"""The shape the default wide (and tall) bucket comes nearest to."""
+WIDE_RATIO = 16 / 9
+"""The shape the default wide (and tall) bucket comes nearest to: a wide photo's or screen's."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""Image rows encoded for vision-language models (data/vision/rows.py, encode.py, buckets.py),
+compared with what transformers makes of the same rows: the processor's input ids and pixel
+values (LLaVA, Gemma 3), the image processor's grid (Qwen2.5-VL, whose processor class needs
+torchvision), the assistant turns' text, and one line per bad row."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hputrain.data.vision import (Processing, check_fits, detect_image_format, encode_split,
+                                  make_buckets, open_image, split_rows)
+from hputrain.data.vision.rows import conversation
+from hputrain.errors import InputError
+from hputrain.models.vision import FAMILIES as VISION_FAMILIES
+from hputrain.recipes import hf_data
+
+from .vlm_fixtures import FAMILIES, image_data, image_processor, save_image_dataset, vlm_folders  # noqa: F401
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+FORMATS = ("messages", "prompt_completion", "image")
+OPTIONS = SimpleNamespace(assistant_only_loss=True, completion_only_loss=True)
+QWEN = next(f for f in VISION_FAMILIES if f.name == "Qwen2.5-VL")
+LLAVA = next(f for f in VISION_FAMILIES if f.name == "LLaVA")
+
+
+@pytest.fixture(scope="module")
+def processing(vlm_folders):  # noqa: F811
+    made = {}
+
+    def get(family: str, tagged: bool = False) -> Processing:
+        if (family, tagged) not in made:
+            made[family, tagged] = Processing.load(vlm_folders(family, tagged))
+        return made[family, tagged]
+
+    return get
+
+
+def encode(path, processing: Processing, options=OPTIONS, fmt: str | None = None):
+    fmt = fmt or detect_image_format(hf_data.columns_of(str(path)))
+    rows = list(split_rows(str(path), "train", hf_data.records, hf_data.source_files))
+    examples, stats = encode_split(rows, fmt, processing, options)
+    return rows, examples, stats, fmt
+
+
+def messages_and_images(row: dict, fmt: str, folder: Path):
+    messages, _, values = conversation(row, fmt, "a row")
+    return messages, [open_image(str(folder / value)) for value in values]
+
+
+def assistant_text(messages: list[dict], first: int = 0) -> str:
+    """The assistant turns' text from message `first` on, each with its end of turn."""
+    return "".join("".join(p["text"] for p in m["content"]) + "<|im_end|>"
+                   for m in messages[first:] if m["role"] == "assistant")
+
+
+def learned_text(processing: Processing, example) -> str:
+    return processing.tokenizer.decode([t for t in example.labels if t >= 0])
+
+
+# -- ids, pixels and labels against transformers -------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_ids_and_pixels_equal_the_processors(processing, image_data, family, fmt):  # noqa: F811
+    """Each row's ids are the processor's input_ids for the rendered conversation and its images,
+    and each image's pixel values are the processor's."""
+    made = processing(family)
+    path = image_data(fmt)
+    rows, examples, stats, found = encode(path, made)
+    assert found == fmt and stats.rows == len(rows) == len(examples) and stats.nothing_to_learn == 0
+    processor = made.processor
+    for (_, row, _), example in zip(rows, examples):
+        messages, images = messages_and_images(row, fmt, path.parent)
+        text = processor.apply_chat_template(messages, tokenize=False)
+        out = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="np")
+        assert example.input_ids.tolist() == out["input_ids"][0].tolist()
+        assert len(example.images) == len(images)
+        for k, (ref, bucket) in enumerate(zip(example.images, example.buckets)):
+            np.testing.assert_array_equal(made.pixels(ref, bucket)["pixel_values"].numpy(),
+                                          out["pixel_values"][k])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qwen_image_tokens_follow_the_image_processors_grid(processing, image_data, fmt):  # noqa: F811
+    """Qwen2.5-VL: each image's run of <|image_pad|> is grid_t * grid_h * grid_w / merge^2 of the
+    image processor's grid for the image resized to its bucket, and its pixels are the image
+    processor's output for that image."""
+    made = processing("qwen2_5_vl")
+    path = image_data(fmt)
+    rows, examples, _, _ = encode(path, made)
+    pad = made.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    start = made.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    reference = image_processor("qwen2_5_vl")
+    for (_, row, _), example in zip(rows, examples):
+        _, images = messages_and_images(row, fmt, path.parent)
+        ids = example.input_ids.tolist()
+        starts = [i for i, t in enumerate(ids) if t == start]
+        assert len(starts) == len(images) == len(example.buckets)
+        for image, at, ref, bucket in zip(images, starts, example.images, example.buckets):
+            width, height = made.buckets.sizes[bucket]
+            out = reference(images=[image.resize((width, height), resample=3)], return_tensors="np")
+            grid = out["image_grid_thw"][0]
+            run = next(i for i in range(at + 1, len(ids)) if ids[i] != pad) - at - 1
+            assert run == int(np.prod(grid)) // reference.merge_size ** 2 == made.buckets.tokens
+            pixels = made.pixels(ref, bucket)
+            np.testing.assert_array_equal(pixels["pixel_values"].numpy(), out["pixel_values"])
+            assert pixels["image_grid_thw"].tolist() == grid.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_are_the_assistant_turns_tagged_or_not(processing, image_data, family):  # noqa: F811
+    """Learned: exactly the assistant turns' text and end of turn, never an image token, by a
+    {% generation %}-tagged template's marks as by the untagged rule."""
+    untagged, tagged = processing(family), processing(family, tagged=True)
+    assert tagged.template().tagged and not untagged.template().tagged
+    path = image_data("messages")
+    rows, examples, _, _ = encode(path, untagged)
+    _, marked, _, _ = encode(path, tagged)
+    assert any(len(e.images) > 1 for e in examples) and any(not e.images for e in examples)
+    for (_, row, _), example, other in zip(rows, examples, marked):
+        messages, _ = messages_and_images(row, "messages", path.parent)
+        assert learned_text(untagged, example) == assistant_text(messages)
+        assert learned_text(tagged, other) == assistant_text(messages)  # its rendering drops the "\n"s
+        for made, encoded in ((untagged, example), (tagged, other)):
+            assert not np.isin(encoded.labels, [made.image_token_id]).any()
+            assert encoded.labels[0] == -100
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_completion_only_and_every_token(processing, image_data, family):  # noqa: F811
+    """Prompt-completion rows learn the completion only; with the loss on every token, every
+    token but the first, the image tokens and what the expansion inserted is learned."""
+    made = processing(family)
+    path = image_data("prompt_completion")
+    rows, examples, _, _ = encode(path, made)
+    for (_, row, _), example in zip(rows, examples):
+        messages, _ = messages_and_images(row, "prompt_completion", path.parent)
+        assert learned_text(made, example) == assistant_text(messages, len(row["prompt"]))
+    everything = SimpleNamespace(assistant_only_loss=False, completion_only_loss=False)
+    _, examples, _, _ = encode(path, made, everything)
+    inserted = {made.image_token_id, *made.tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>"])}
+    for example in examples:
+        ids, labels = example.input_ids, example.labels
+        expected = [t if k > 0 and (made.family.name != "Gemma 3" or t not in inserted)
+                    and t != made.image_token_id else -100 for k, t in enumerate(ids.tolist())]
+        if made.family.name == "Gemma 3":  # the "\n\n" the expansion writes around an image
+            newline = made.tokenizer.convert_tokens_to_ids("Ċ")
+            keep = [k for k, t in enumerate(ids.tolist()) if t != newline]
+            assert [labels[k] for k in keep] == [expected[k] for k in keep]
+        else:
+            assert labels.tolist() == expected
+
+
+def test_save_to_disk_images_give_the_same_examples(processing, image_data, tmp_path):  # noqa: F811
+    """A save_to_disk data set whose `images` are datasets.Image values encodes to the same ids,
+    labels, buckets and pixels as the same rows with image files beside a JSON Lines file."""
+    made = processing("qwen2_5_vl")
+    saved = save_image_dataset(tmp_path / "saved")
+    _, from_disk, stats, fmt = encode(saved, made)
+    _, from_files, _, _ = encode(image_data("messages"), made)
+    assert fmt == "messages" and stats.rows == 24 and len(from_disk) == len(from_files)
+    for a, b in zip(from_disk, from_files):
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+        assert a.buckets == b.buckets
+        for ref_a, ref_b, bucket in zip(a.images, b.images, a.buckets):
+            np.testing.assert_array_equal(made.pixels(ref_a, bucket)["pixel_values"].numpy(),
+                                          made.pixels(ref_b, bucket)["pixel_values"].numpy())
+
+
+def test_blank_is_the_image_processors_black_image(processing):
+    from PIL import Image
+
+    for family in FAMILIES:
+        made = processing(family)
+        for bucket, size in enumerate(made.buckets.sizes):
+            out = image_processor(family)(images=[Image.new("RGB", size)], return_tensors="np")
+            blank = made.blank(bucket)
+            np.testing.assert_array_equal(blank["pixel_values"].numpy(),
+                                          out["pixel_values"][0] if made.family.fixed_size else out["pixel_values"])
+
+
+# -- one line per bad row ----------------------------------------------------------------------
+
+def write_rows(folder: Path, rows: list[dict]) -> Path:
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "images" / "red.png")
+    (folder / "images" / "broken.png").write_text("not an image")
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def image_row(images, parts: int | None = None, answer: str = "red") -> dict:
+    count = len(images) if parts is None and isinstance(images, list) else (parts or 0)
+    return {"messages": [{"role": "user", "content": [{"type": "image"}] * count + [{"type": "text", "text": "colour?"}]},
+                         {"role": "assistant", "content": answer}], "images": images}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (image_row(["images/missing.png"]), r"line 2: image images/missing.png \(relative to .*\) does not exist"),
+    (image_row(["images/broken.png"]), r"line 2: image .*broken.png cannot be read"),
+    (image_row(["images/red.png"], parts=2), r"line 2: the messages hold 2 image placeholder\(s\) .* and the row has 1 image"),
+    (image_row("images/red.png", parts=1), r"line 2: 'images' is str, not a list of images"),
+    ({"messages": [{"role": "robot", "content": "hi"}], "images": []}, r"line 2: message 0 in 'messages' has role 'robot'"),
+])
+def test_a_bad_row_is_one_line_naming_it(processing, tmp_path, bad, match):
+    path = write_rows(tmp_path, [image_row(["images/red.png"]), bad])
+    with pytest.raises(InputError, match=f"^--dataset {path} {match}"):
+        encode(path, processing("llava"))
+
+
+def test_string_contents_get_the_images_before_the_first_user_text(processing, tmp_path):
+    """TRL's rule: a conversation of plain strings gets its images' placeholders at the start of
+    the first user message."""
+    row = {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "red"}],
+           "images": ["images/red.png"]}
+    plain = write_rows(tmp_path / "plain", [row])
+    parts = write_rows(tmp_path / "parts", [image_row(["images/red.png"])])
+    made = processing("gemma3")
+    (a,), (b,) = encode(plain, made)[1], encode(parts, made)[1]
+    assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+
+
+def test_too_long_for_the_block_names_the_row_and_the_fix(processing, tmp_path):
+    made = processing("qwen2_5_vl")
+    path = write_rows(tmp_path, [image_row(["images/red.png", "images/red.png"], answer="red " * 40)])
+    (example,) = encode(path, made)[1]
+    check_fits(example, example.images_end)  # the images fit whole; the text after them is cut
+    with pytest.raises(InputError, match=rf"^--dataset {path} line 1: the conversation is "
+                                         rf"{len(example.input_ids)} tokens with its 2 image\(s\) counted, "
+                                         rf"and its last image ends at token {example.images_end}, past "
+                                         rf"--block-size 32: give --block-size {example.images_end} or more"):
+        check_fits(example, 32)
+
+
+def test_detect_image_format():
+    assert detect_image_format(["messages", "images"]) == "messages"
+    assert detect_image_format(["prompt", "completion", "images"]) == "prompt_completion"
+    assert detect_image_format(["image", "messages"]) == "image"
+    assert detect_image_format(["messages"]) is None
+    with pytest.raises(InputError, match="image data needs 'messages', or 'prompt' and 'completion'"):
+        detect_image_format(["images", "text"])
+
+
+# -- buckets -----------------------------------------------------------------------------------
+
+def test_qwen_default_buckets_have_equal_token_counts():
+    """The defaults within Qwen2.5-VL's own pixel limits: square, wide and tall of 144 tokens,
+    each left as it is by the image processor (its grid says so)."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    for images in (Qwen2VLImageProcessorPil(), image_processor("qwen2_5_vl")):
+        buckets = make_buckets(QWEN, images)
+        assert len(buckets.sizes) == 3 and buckets.sizes[1][0] > buckets.sizes[1][1]
+        assert buckets.sizes[2] == buckets.sizes[1][::-1] and buckets.sizes[0][0] == buckets.sizes[0][1]
+        for width, height in buckets.sizes:
+            grid = images(images=[Image.new("RGB", (width, height))], return_tensors="np")["image_grid_thw"][0]
+            assert grid.tolist() == [1, height // 14, width // 14]
+            assert int(np.prod(grid)) // 4 == buckets.tokens
+    assert make_buckets(QWEN, Qwen2VLImageProcessorPil()).sizes == ((336, 336), (448, 252), (252, 448))
+
+
+def test_nearest_aspect_ratio_and_resize():
+    buckets = make_buckets(QWEN, image_processor("qwen2_5_vl"), ["112x112", "224x56", "56x224"])
+    assert [buckets.choose(*size) for size in [(50, 50), (90, 20), (20, 90), (60, 40), (40, 60), (300, 100)]] \
+        == [0, 1, 2, 0, 0, 1]
+    from PIL import Image
+
+    assert buckets.resize(Image.new("RGB", (90, 20)), 1).size == (224, 56)
+
+
+@pytest.mark.parametrize("asked, match", [
+    (["56x56", "112x56"], r"different image-token counts \(56x56: 4, 112x56: 8\)"),
+    (["100x56"], r"100x56: .* multiples of 28 .* e.g. 112x56"),
+    (["224x224"], r"224x224: 50176 pixels, outside the image processor's min_pixels..max_pixels \(3136..12544\)"),
+    (["56by56"], r"'56by56' is not a size"),
+])
+def test_bucket_refusals(asked, match):
+    with pytest.raises(InputError, match=match):
+        make_buckets(QWEN, image_processor("qwen2_5_vl"), asked)
+
+
+def test_fixed_size_family_takes_only_its_processors_size():
+    images = image_processor("llava")
+    buckets = make_buckets(LLAVA, images, ["28x28"], tokens_of=lambda w, h: 4)
+    assert buckets.sizes == ((28, 28),) and buckets.tokens == 4 and not buckets.resizes
+    with pytest.raises(InputError, match=r"LLaVA's image processor makes every image 28x28, its only size"):
+        make_buckets(LLAVA, images, ["56x56"], tokens_of=lambda w, h: 4)
