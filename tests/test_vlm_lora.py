@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 
 from hputrain.errors import InputError  # noqa: E402
 from hputrain.recipes.hf_vision import (TokenizerAndImages, load_vision, part_prefixes,  # noqa: E402
-                                        prepare_parts)
+                                        prepare_parts, saver)
 
 TOWER = {"llava": "model.vision_tower", "gemma3": "model.vision_tower", "qwen2_5_vl": "model.visual"}
 PROJECTOR = {"llava": "model.multi_modal_projector", "gemma3": "model.multi_modal_projector",
@@ -33,21 +33,21 @@ def options(lora_r=None, tower=False, projector=None, targets=None):
 
 
 def image_batch(folder: Path, processor, family: str) -> dict:
-    """One conversation with an image, as transformers' processor encodes it, labels = ids."""
+    """One conversation with an image, as transformers' processor encodes it (`processor`: the
+    Processing load_vision gives), labels = ids."""
     from PIL import Image
 
     image = Image.new("RGB", (28, 28), (200, 30, 60))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "a red square"}]}]
-    text = processor.chat_template and transformers.PreTrainedTokenizerBase.apply_chat_template(
-        processor.tokenizer, messages, tokenize=False, chat_template=processor.chat_template)
-    if isinstance(processor, TokenizerAndImages):  # Qwen2.5-VL: <|image_pad|> × grid / merge²
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+    if processor.processor is None:  # Qwen2.5-VL: <|image_pad|> × grid / merge², as its processor
         pixels = processor.image_processor(images=[image], return_tensors="pt")
         count = int(pixels["image_grid_thw"].prod()) // processor.image_processor.merge_size ** 2
         text = text.replace("<|image_pad|>", "<|image_pad|>" * count)
         batch = dict(processor.tokenizer(text, return_tensors="pt")) | dict(pixels)
     else:
-        batch = dict(processor(text=text, images=[image], return_tensors="pt"))
+        batch = dict(processor.processor(text=text, images=[image], return_tensors="pt"))
     batch["labels"] = batch["input_ids"].clone()
     return batch
 
@@ -126,4 +126,5 @@ def test_the_parts_are_named_as_the_family_table_says(vlm_folders, family):  # n
     names = dict(model.named_modules())
     assert parts["tower"] == TOWER[family] and parts["projector"] == PROJECTOR[family]
     assert all(prefix in names for prefix in parts.values())
-    assert isinstance(processor, TokenizerAndImages) == (family == "qwen2_5_vl")
+    assert (processor.processor is None) == (family == "qwen2_5_vl")
+    assert isinstance(saver(processor), TokenizerAndImages) == (family == "qwen2_5_vl")

@@ -18,6 +18,7 @@ from ..config.grpo import GRPO_DEFAULTS, REWARD_DEFAULTS, GRPOOptions
 from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
 from ..errors import first_line as _first_line
+from ..models.vision import describe as describe_vision, is_image_text_to_text
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
                                         folder_task, head_labels, is_adapter_folder, load_adapter,
                                         load_classifier, tokenizer_folder)
@@ -196,6 +197,13 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     from .finish import report_outputs, save_final, write_recipe
 
     folder = model_folder(options.model, base_model=options.base_model)
+    from .hf_vision import vision_config
+
+    vision = vision_config(folder, options.base_model) is not None  # an uncovered family: one line
+    if vision:  # what the image path does not take, before any process starts (hf_vision_run.py)
+        from .hf_vision_run import check_run
+
+        check_run(options, training_args)
     if options.streaming:  # a shard folder's refusals, before any weight is read (hf_stream.py)
         from .hf_stream import check_stream
 
@@ -210,6 +218,10 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         data_kind(options)  # the data's shape checked once, here, in one line
         return relaunch_current_program(training_args.devices, training_args.num_nodes)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
+    if vision:  # an image-text-to-text model (hf_vision_run.py)
+        from .hf_vision_run import run_vision
+
+        return run_vision(options, training_args, accelerator_config, folder)
     if options.method == "reward":  # a sequence-classification model on pairs (hf_reward.py)
         from .hf_reward import run_reward
 
@@ -435,6 +447,9 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    if task == CAUSAL_LM and is_image_text_to_text(config):  # not a causal LM: one line
+        raise InputError(f"{flag} {folder} holds an image-text-to-text model ({describe_vision(config)}), "
+                         f"not a causal language model: {flag} does not take one here")
     tokenizer = _load_tokenizer(folder, flag)
     auto = transformers.AutoModelForCausalLM
     try:

@@ -2,10 +2,11 @@
 AutoModelForImageTextToText in float32 and the folder's processor, its vision tower and projector
 frozen or trained as the options say, LoRA on its language model.
 
-The processor is AutoProcessor's where the folder's processor class can be built; where it
-cannot (Qwen2.5-VL's needs torchvision for its video processor), it is the folder's tokenizer
-(with the chat template) and its image processor (AutoImageProcessor), saved side by side as the
-processor would save them. `load_vision` returns either, and the run says which.
+The processing (data/vision/encode.Processing) holds AutoProcessor's processor where the folder's
+processor class can be built; where it cannot (Qwen2.5-VL's needs torchvision for its video
+processor), the folder's tokenizer (with the chat template) and its image processor, which
+final/ gets side by side as the processor would save them (TokenizerAndImages). The header says
+which.
 
 Freezing: the vision tower (the family's `tower`) is frozen unless --train-vision-tower; the
 projector (its `projector`: vision features into the text width) is trained in full fine-tuning,
@@ -34,11 +35,9 @@ class TokenizerAndImages:
     (tokenizer files, preprocessor_config.json), so that a folder written with it loads with
     AutoTokenizer + AutoImageProcessor (and with AutoProcessor where the class can be built)."""
 
-    def __init__(self, tokenizer, image_processor, why: str = "") -> None:
+    def __init__(self, tokenizer, image_processor) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.why = why
-        """Why the processor class could not be built (for the header)."""
 
     @property
     def chat_template(self):
@@ -78,20 +77,21 @@ def vision_config(folder: Path, base_model: str | None = None):
 
 def load_vision(folder: Path, flag: str = "--model", *, from_scratch: bool = False,
                 sharded: bool = False, base_model: str | None = None, trainable: bool = False,
-                merge: bool = False):
-    """(model in float32, processor) of an image-text-to-text folder, never from the network.
-    The processor is AutoProcessor's, or a TokenizerAndImages where its class cannot be built
-    (both have .tokenizer, .image_processor, .chat_template and save_pretrained). An adapter folder
-    (a LoRA run's final/) is its base with the adapters loaded by PEFT (trainable with
-    `trainable`, merged with `merge`), its processor the folder's own when it has one.
-    `sharded`: the parameters stay on the meta device for fsdp's shard-by-shard loading
-    (hf_sharded.meta_model)."""
+                merge: bool = False, image_buckets: list[str] | None = None):
+    """(model in float32, data.vision.encode.Processing) of an image-text-to-text folder, never
+    from the network. The Processing holds the processor (AutoProcessor's), or where its class
+    cannot be built the tokenizer and image processor (`saver` gives what final/ saves of either),
+    and the pixel buckets (--image-buckets). An adapter folder (a LoRA run's final/) is its base
+    with the adapters loaded by PEFT (trainable with `trainable`, merged with `merge`), its
+    processor the folder's own when it has one. `sharded`: the parameters stay on the meta device
+    for fsdp's shard-by-shard loading (hf_sharded.meta_model)."""
     folder = Path(folder)
     base = adapter_base(folder, base_model, flag) if is_adapter_folder(folder) else folder
     model = _load_weights(base, flag, from_scratch and base == folder, sharded and not merge)
-    processor = load_processor(tokenizer_folder(folder, base) if base != folder else folder, flag)
+    processing = load_processing(tokenizer_folder(folder, base) if base != folder else folder,
+                                 model.config, flag, image_buckets)
     if base == folder:
-        return model, processor
+        return model, processing
     from ..distributed.fsdp import on_meta
     from .hf_sharded import load_adapter_values
 
@@ -101,7 +101,7 @@ def load_vision(folder: Path, flag: str = "--model", *, from_scratch: bool = Fal
         model = load_adapter(model, folder, trainable=trainable, flag=flag)
     if meta:
         load_adapter_values(model, folder)
-    return (model.merge_and_unload() if merge else model), processor
+    return (model.merge_and_unload() if merge else model), processing
 
 
 def _load_weights(folder: Path, flag: str, from_scratch: bool, sharded: bool):
@@ -133,39 +133,36 @@ def _load_weights(folder: Path, flag: str, from_scratch: bool, sharded: bool):
                          f"{_first_line(exc)}") from None
 
 
-def load_processor(folder: Path, flag: str = "--model"):
-    """AutoProcessor of `folder`, else its tokenizer + AutoImageProcessor (TokenizerAndImages, the
-    reason kept in .why); one line when the folder has no image processor."""
-    import transformers
+def load_processing(folder: Path, config, flag: str = "--model", image_buckets=None):
+    """data.vision.encode.Processing of `folder` (its processor, else its tokenizer and image
+    processor), for the model of `config`; what cannot be read is one line."""
+    from ..data.vision.encode import Processing
 
-    why = ""
     try:
-        processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
-        if getattr(processor, "image_processor", None) is not None and hasattr(processor, "tokenizer"):
-            return processor
-    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        why = _first_line(exc).split(" but ")[0] or type(exc).__name__  # "X requires torchvision"
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return Processing.load(folder, config, image_buckets)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{flag} {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
-                         "the processor (or the tokenizer) into the folder") from None
-    try:
-        images = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
-        raise InputError(f"{flag} {folder}: no image processor could be loaded ({_first_line(exc)}): "
-                         "save the processor (or its image processor: preprocessor_config.json) "
-                         "into the folder") from None
-    return TokenizerAndImages(tokenizer, images, why or "the folder has no processor class")
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{flag} {folder}: its processor (or tokenizer and image processor) cannot "
+                         f"be loaded ({_first_line(exc)}): save the processor into the folder "
+                         "(processor.save_pretrained)") from None
 
 
-def processor_words(processor) -> str:
-    """"LlavaProcessor", or "tokenizer + Qwen2VLImageProcessorPil (the processor class cannot be
-    built: ...)", for the header."""
-    if isinstance(processor, TokenizerAndImages):
-        return (f"tokenizer + {type(processor.image_processor).__name__} (the processor class cannot "
-                f"be built here: {processor.why})")
-    return type(processor).__name__
+def saver(processing):
+    """What final/ saves of the processing (its save_pretrained): the processor object, or the
+    tokenizer and image processor side by side (TokenizerAndImages)."""
+    if processing.processor is not None:
+        return processing.processor
+    return TokenizerAndImages(processing.tokenizer, processing.image_processor)
+
+
+def processor_words(processing) -> str:
+    """"LlavaProcessor", or "tokenizer + Qwen2VLImageProcessorPil (no processor class: ...)",
+    for the header."""
+    if processing.processor is not None:
+        return type(processing.processor).__name__
+    return (f"{type(processing.tokenizer).__name__} + {type(processing.image_processor).__name__} "
+            "(the folder's processor class cannot be built here: Qwen2.5-VL's needs torchvision)")
 
 
 # -- what trains -----------------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""`hputrain train --model VLMDIR --dataset IMAGEDATA` and `hputrain evaluate` on image data: an
+image-text-to-text folder (hf_vision.py) fine-tuned on TRL's vision rows (data/vision/), in blocks
+of fixed shapes: S tokens and K image slots, packed without cross-talk (or one example a block
+with --no-packing), through the same Trainer, strategies, checkpoints and resume as text.
+
+What the run does not take yet is one line: DPO, GRPO and reward models on image data, streaming,
+context parallelism. Text data (no image column) with an image-text-to-text folder trains its
+language model through the same blocks: rows without images are image rows with none (chat and
+prompt-completion rows); plain text (causal LM) is one line.
+
+final/ holds the model (or LoRA adapters) and the processor (processor.save_pretrained, or the
+tokenizer and image processor side by side where the processor class cannot be built here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from ..errors import InputError
+from .hf_vision import load_vision, prepare_parts, processor_words, saver
+
+UNSUPPORTED = {"dpo": "DPO", "grpo": "GRPO", "reward": "reward models"}
+"""Methods that do not take image data yet."""
+
+
+def image_format(options) -> str:
+    """The vision row format of --dataset (data/vision/rows.FORMATS): its image column, else
+    (text data) its chat or prompt-completion rows, taken as image rows without images; one line
+    for what else an image-text-to-text model cannot train on here."""
+    from ..data import sft
+    from ..data.vision.rows import detect_image_format
+    from .hf_data import columns_of
+
+    method = options.method
+    if method in UNSUPPORTED:
+        raise InputError(f"--method {method}: {UNSUPPORTED[method]} on an image-text-to-text model "
+                         f"(--model {options.model}) is not supported yet: train it with SFT "
+                         "(--method sft or auto) on image rows")
+    columns = columns_of(options.dataset)
+    fmt = detect_image_format(columns) if columns else None
+    if fmt is not None:
+        return fmt
+    try:
+        found = sft.detect_format(columns or [])
+    except InputError:
+        found = None
+    if found in ("messages", "prompt_completion") and method != "lm":
+        return found  # rows without images: the language model learns them through the same path
+    shown = ", ".join(map(str, columns or [])) or "plain text"
+    raise InputError(f"--dataset {options.dataset} ({shown}) is not image data, and --model "
+                     f"{options.model} is an image-text-to-text model, which trains here on chat "
+                     "rows: 'messages' (with {\"type\": \"image\"} parts and an 'images' column, or "
+                     "none), or 'prompt' and 'completion' (with 'images'), or an 'image' column")
+
+
+def load_image_rows(options, processing, block_size: int, cache_dir):
+    """The data set's ImageData (data/vision/loading.py): its rows read as the text recipe reads
+    them (hf_data.records), each image path relative to its data file."""
+    from ..data.vision.loading import load_image_data
+    from ..data.vision.rows import split_rows
+    from . import hf_data
+    from .hf_sft import use_chat_template
+
+    use_chat_template(processing.tokenizer, options.chat_template)
+    if options.chat_template and processing.processor is not None:  # saved with it in final/
+        processing.processor.chat_template = processing.tokenizer.chat_template
+    fmt = image_format(options)
+    path = options.dataset
+    return load_image_data(path, fmt, processing, block_size, options, cache_dir,
+                           rows=lambda split: split_rows(path, split, hf_data.records, hf_data.source_files),
+                           splits=hf_data.saved_splits(path))
+
+
+def check_run(options, training_args) -> None:
+    """What the image path does not take, in one line before any weight is read."""
+    if options.streaming:
+        raise InputError("--streaming reads text shards; an image-text-to-text model's data is read "
+                         "whole: leave out --streaming")
+    if training_args.context_parallel_size > 1:
+        raise InputError("context parallelism on an image-text-to-text model is not supported: "
+                         "set context_parallel_size=1")
+    if training_args.expert_parallel_size > 1:
+        raise InputError("expert parallelism on an image-text-to-text model is not supported: "
+                         "set expert_parallel_size=1")
+    image_format(options)
+
+
+def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
+    """The training run on an image-text-to-text folder (recipes/hf.py's run sends it here)."""
+    from ..checkpoint.model_folders import is_adapter_folder
+    from ..training.trainer import Trainer
+    from .finish import report_outputs, save_final, write_recipe
+    from .hf_adapters import continued_rank
+    from .hf_common import choose_block_size
+    from .hf_sharded import loads_sharded
+
+    check_run(options, training_args)
+    if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
+        options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+    # the collator makes exactly the model's inputs from the blocks (their image_count included)
+    training_args = dataclasses.replace(training_args, remove_unused_columns=False)
+    model, processing = load_vision(folder, from_scratch=options.from_scratch,
+                                    sharded=loads_sharded(training_args), base_model=options.base_model,
+                                    trainable=True, image_buckets=options.image_buckets)
+    model = prepare_parts(model, options)
+    block_size = choose_block_size(options.block_size, model.config.get_text_config(),
+                                   processing.tokenizer)
+    data = load_image_rows(options, processing, block_size,
+                           options.cache_dir or Path(training_args.output_dir) / ".cache")
+    trainer = Trainer(model, training_args, train_dataset=data.train, eval_dataset=data.validation,
+                      data_collator=data.collator, accelerator_config=accelerator_config,
+                      processing_class=saver(processing))
+    if trainer.group.is_main:
+        print(header(trainer, model, options, data, processing, block_size))
+    output = trainer.train()
+    final = save_final(trainer, output)  # every rank: a sharded model is gathered first
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(training_args.output_dir, {"recipe": dataclasses.asdict(options), "block_size": block_size,
+                                            "image_slots": data.slots})
+    status = report_outputs(trainer, output)
+    if status is not None:
+        return status
+    if final is not None:
+        print(load_line(model, final, options, processing))
+    return 0
+
+
+def load_line(model, final: Path, options, processing) -> str:
+    """How to load final/ in transformers (and PEFT)."""
+    processor = ('AutoProcessor.from_pretrained("{f}")' if processing.processor is not None else
+                 'AutoTokenizer.from_pretrained("{f}") and AutoImageProcessor.from_pretrained("{f}")'
+                 ).format(f=final)
+    if options.lora_r:
+        base = model.get_base_model().name_or_path  # the absolute path adapter_config.json holds
+        return (f'load it with PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained('
+                f'"{base}"), "{final}") and {processor}, or merge it into one model folder with '
+                f'hputrain export --merge {final} --output DIR')
+    return f'load it with AutoModelForImageTextToText.from_pretrained("{final}") and {processor}'
+
+
+# -- the run header --------------------------------------------------------------------------------
+
+def header(trainer, model, options, data, processing, block_size: int) -> str:
+    """The model line (its family), the processor, what is learned, the images, the blocks and
+    the validation set."""
+    from .hf_common import model_line
+    from .hf_sft import counted, split_sizes
+
+    stats, rows = data.stats, data.rows
+    held_out = len(data.validation) if data.validation is not None else 0
+    if data.fmt == "prompt_completion":
+        learned = ("completion tokens (--completion-only-loss)" if options.completion_only_loss
+                   else "every token but the image tokens (--no-completion-only-loss)")
+    else:
+        learned = ("assistant turns, end of turn included (--assistant-only-loss)"
+                   if options.assistant_only_loss else
+                   "every token but the image tokens (--no-assistant-only-loss)")
+    if options.packing:
+        shape = (f"{split_sizes(len(data.train), held_out, 'block')} of {block_size} tokens and "
+                 f"{counted(data.slots, 'image slot')}, packed with attention kept inside each "
+                 f"example ({stats.padding_fraction:.1%} padding)")
+    else:
+        shape = (f"{split_sizes(len(data.train), held_out, 'row')} of at most {block_size} tokens "
+                 f"and {counted(data.slots, 'image slot')}, unpacked (--no-packing), padded to "
+                 "length buckets")
+    unit = "block" if options.packing else "row"
+    if data.own_validation:
+        validation = f"the data set's own validation split, {counted(held_out, unit)}"
+    elif held_out:
+        validation = (f"the last {options.validation_split_percentage:g}% of the examples held out "
+                      f"(--validation-split-percentage), {counted(held_out, unit)}")
+    else:
+        validation = "none (--validation-split-percentage 0)"
+    return (f"{model_line(trainer, model, options)}\n"
+            f"hputrain: processor: {processor_words(processing)}; {_parts(model, options)}\n"
+            f"hputrain: method: SFT on image rows ({data.fmt!r}), loss on {learned}; image tokens "
+            "never learned\n"
+            f"hputrain: images: {processing.buckets.describe()}, {counted(data.slots, 'slot')} a "
+            f"block, {counted(stats.images, 'image')}, {stats.padding_slot_fraction:.1%} of the "
+            "slots padding (blank images)\n"
+            f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
+            f"to learn, {stats.truncated} cut to {block_size} tokens (--block-size), "
+            f"{stats.labels_cut} learned tokens cut\n"
+            f"hputrain: {shape}, from {options.dataset}\n"
+            f"hputrain: validation: {validation}")
+
+
+def _parts(model, options) -> str:
+    tower = "trained" if options.train_vision_tower else "frozen (--train-vision-tower trains it)"
+    if options.lora_r:
+        projector = ("trained whole (--train-projector)" if options.train_projector
+                     else "frozen (--train-projector trains it)")
+    else:
+        projector = "frozen (--no-train-projector)" if options.train_projector is False else "trained"
+    return f"vision tower {tower}, projector {projector}"
+
+
+# -- evaluate --------------------------------------------------------------------------------------
+
+def evaluate_vision(options, folder: Path, *, batch_size: int = 8, precision: str = "fp32") -> dict:
+    """`hputrain evaluate --model VLMDIR` on image data: eval_loss (the summed cross-entropy of
+    every learned token over their number, as transformers' loss on each example, token-weighted),
+    eval_perplexity, eval_tokens, and the examples the block size cut (examples_cut, tokens_cut)."""
+    from ..config.arguments import TrainingArguments
+    from ..training.trainer import Trainer
+    from .hf_common import choose_block_size
+
+    model, processing = load_vision(folder, base_model=options.base_model,
+                                    image_buckets=options.image_buckets)
+    block_size = choose_block_size(options.block_size, model.config.get_text_config(),
+                                   processing.tokenizer)
+    options.validation_split_percentage = 0  # the whole data set is evaluated
+    with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
+        data = load_image_rows(options, processing, block_size, options.cache_dir or scratch)
+        args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
+                                 precision=precision, report_to="none", disable_tqdm=True,
+                                 remove_unused_columns=False)  # the collator makes the inputs
+        trainer = Trainer(model, args, data_collator=data.collator)
+        metrics = trainer.evaluate(data.train)
+        tokens = sum(trainer.count_tokens({"labels": block["labels"][None]}) for block in data.train)
+    return {"eval_loss": metrics["eval_loss"], "eval_perplexity": metrics["eval_perplexity"],
+            "eval_tokens": tokens, "method": f"sft on image rows ({data.fmt})",
+            "block_size": block_size, "packing": bool(options.packing), "image_slots": data.slots,
+            "images": data.stats.images, "examples_cut": data.stats.truncated,
+            "tokens_cut": data.stats.labels_cut, "examples": data.stats.examples}
