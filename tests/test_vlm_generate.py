@@ -153,14 +153,24 @@ def test_the_cli_answers_and_a_lora_final_folder_loads_on_its_base(vlm_folders, 
     adapted = peft.get_peft_model(base, config)
     final = tmp_path / "final"
     adapted.save_pretrained(final)
-    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
-        if (folder / name).exists():
-            shutil.copy(folder / name, final / name)
+    _copy_processor(folder, final)
     prompt, ours, model, stops, tokenizer = _ours(final, "what is it", pictures[:1])
-    assert type(model).__name__ == "PeftModelForCausalLM" or hasattr(model, "peft_config")
+    assert hasattr(model, "peft_config")
     adapted.eval()
     assert ours == _transformers_generate(adapted, prompt, stops, tokenizer)
+    # merged into one folder (what export --merge writes): the same answer, now without PEFT
+    merged = tmp_path / "merged"
+    adapted.merge_and_unload().save_pretrained(merged)
+    _copy_processor(folder, merged)
+    _, from_merged, model, _, _ = _ours(merged, "what is it", pictures[:1])
+    assert not hasattr(model, "peft_config") and from_merged == ours
+
+
+def _copy_processor(source, folder) -> None:
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
 
 
 @pytest.mark.parametrize("case", ["text model", "missing", "unreadable", "no chat"])
@@ -181,6 +191,6 @@ def test_bad_image_requests_are_one_line(case, vlm_folders, pictures, tmp_path, 
     assert main(["generate", "--model", str(folder), "--image", image, *more]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image" in err[0], err
-    expected = {"text model": "text model", "missing": "no such file",
+    expected = {"text model": "holds a text model", "missing": "no such file",
                 "unreadable": "cannot be read as an image", "no chat": "--chat"}[case]
     assert expected in err[0]

@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.model_folders import adapter_base, is_adapter_folder, load_adapter
 from ..errors import InputError
 from ..execution.generation import Prefill, Sampling, StaticGenerator
-from ..models.vision import image_token_id, is_image_text_to_text, vision_family
+from ..models.vision import image_token_id, vision_family
 from .hf_chat import ChatAnswer, stop_token_ids
 
 MODEL_INPUTS_LEFT_OUT = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -38,30 +37,15 @@ class ImagePrompt:
     prefill: Prefill
 
 
-def image_model_config(folder: Path, base_model: str | None = None, flag: str = "--model"):
-    """The transformers config of `folder` (an adapter folder's base model's), or None when it
-    cannot be read; read before any weight is, to refuse --image for a text model at once."""
-    import transformers
-
-    source = adapter_base(folder, base_model, flag) if is_adapter_folder(folder) else folder
-    try:
-        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def check_image_model(folder: Path, base_model: str | None = None) -> None:
-    """One line unless `folder` holds an image-text-to-text model hputrain covers."""
-    from ..models.vision import refusal
+    """One line unless `folder` (or an adapter folder's base) holds an image-text-to-text model
+    hputrain covers (an uncovered one: models.vision.refusal); read before any weight is."""
+    from .hf_vision import vision_config
 
-    config = image_model_config(folder, base_model)
-    if config is None or not is_image_text_to_text(config):
-        kind = getattr(config, "model_type", "not readable")
+    if vision_config(folder, base_model) is None:
         raise InputError(f"--image needs an image-text-to-text model folder, and --model {folder} "
-                         f"holds a text model ({kind}): ask without --image, or give a "
-                         "vision-language model's folder")
-    if vision_family(config) is None:
-        raise InputError(f"--model {folder}: {refusal(config.model_type)}")
+                         "holds a text model (or none transformers reads as one): ask without "
+                         "--image, or give a vision-language model's folder")
 
 
 def open_images(paths: list[str]) -> list:
@@ -84,48 +68,16 @@ def open_images(paths: list[str]) -> list:
 
 def load_vision_for_chat(folder: Path, base_model: str | None = None):
     """(model in float32, processor or None, tokenizer, image processor) of a VLM folder or of a
-    LoRA adapter folder of one (its adapters on its base; the processor the folder's own where it
-    holds one, else the base's)."""
-    import torch
-    import transformers
+    LoRA adapter folder of one (hf_vision.load_vision: its adapters on its base, the processor
+    the folder's own where it holds one); the processor None where its class cannot be built."""
+    from .hf_vision import load_vision
 
-    base = adapter_base(folder, base_model) if is_adapter_folder(folder) else folder
-    try:
-        model = transformers.AutoModelForImageTextToText.from_pretrained(
-            base.resolve(), dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"--model {folder} cannot be loaded as an image-text-to-text model: "
-                         f"{first}") from None
-    if base != folder:
-        model = load_adapter(model, folder)
-    sources = [folder] if base == folder else [folder, base]
-    processor, tokenizer, images = _processing(sources)
-    return model, processor, tokenizer, images
-
-
-def _processing(sources: list[Path]):
-    """(processor or None, tokenizer, image processor) from the first of `sources` that holds
-    them: AutoProcessor where its class can be built, else AutoTokenizer + AutoImageProcessor."""
-    import transformers
-
-    last = None
-    for source in sources:
-        try:
-            processor = transformers.AutoProcessor.from_pretrained(source, local_files_only=True)
-            if hasattr(processor, "image_processor") and hasattr(processor, "tokenizer"):
-                return processor, processor.tokenizer, processor.image_processor
-        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
-            last = exc  # Qwen2.5-VL's processor without torchvision: its parts below
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
-            images = transformers.AutoImageProcessor.from_pretrained(source, local_files_only=True)
-            return None, tokenizer, images
-        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
-            last = exc
-    first = (str(last).strip().splitlines() or [type(last).__name__])[0]
-    raise InputError(f"--model {sources[0]}: no processor (nor tokenizer and image processor) "
-                     f"could be loaded: {first}")
+    model, processing = load_vision(Path(folder), base_model=base_model)
+    # data.vision.encode.Processing (its processor object, or None), or a processor itself
+    processor = getattr(processing, "processor", processing)
+    if not hasattr(processor, "apply_chat_template"):  # the tokenizer and image processor only
+        processor = None
+    return model, processor, processing.tokenizer, processing.image_processor
 
 
 def image_prompt(model, processor, tokenizer, image_processor, question: str,
