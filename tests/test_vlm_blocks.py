@@ -391,3 +391,57 @@ def test_unpacked_slots_and_the_image_slots_refusal(processings, image_data):
     assert data.train[0]["image_grid_thw"].shape == (most, 3)
     with pytest.raises(InputError, match=rf"^--image-slots 1 is fewer than the {most} images of one example"):
         load_image_data(str(path), "messages", processing, 128, options(image_slots=1), rows=rows_of(path))
+
+
+def reference_inputs(example, n: int, processing) -> dict:
+    """One encoded example cut to n tokens as transformers' model takes it alone (the
+    processor's keys)."""
+    ids = torch.tensor(example.input_ids[:n], dtype=torch.long)[None]
+    labels = torch.tensor(example.labels[:n], dtype=torch.long)[None]
+    labels[:, 0] = -100
+    inputs = {"input_ids": ids, "labels": labels}
+    pixels = [processing.pixels(ref, b) for ref, b in zip(example.images, example.buckets)]
+    if pixels and "image_grid_thw" in pixels[0]:
+        inputs["pixel_values"] = torch.cat([p["pixel_values"] for p in pixels])
+        inputs["image_grid_thw"] = torch.stack([p["image_grid_thw"] for p in pixels])
+    elif pixels:
+        inputs["pixel_values"] = torch.stack([p["pixel_values"] for p in pixels])
+    kinds = (ids == processing.image_token_id).long()
+    if processing.family.positions == "3d":
+        inputs["mm_token_type_ids"] = kinds.int()
+    elif processing.family.bidirectional_images:
+        inputs["token_type_ids"] = kinds
+    return inputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_data_path_blocks_give_transformers_per_example_loss(processings, vlm_folders, image_data, family):
+    """The blocks load_image_data makes of the tiny data (some examples cut after their last
+    image), collated two at a time, through the training forward (the static image merge,
+    PackedInputs): the loss sum of transformers' own forward on each (cut) example alone."""
+    from hputrain.data.batching import model_input_names
+    from hputrain.execution.precision import Precision
+    from hputrain.execution.vision import static_image_merge
+    from hputrain.training.packed import PackedInputs
+
+    processing = processings(family)
+    path = image_data("messages")
+    data = load_image_data(str(path), "messages", processing, 160, options(validation_split_percentage=0),
+                           rows=rows_of(path))
+    assert data.stats.truncated > 0 and data.stats.padding_slots > 0
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_folders(family)).eval()
+    with torch.no_grad():
+        reference = 0.0
+        for i, n in zip(data.train.members.values.tolist(), data.train.lengths.tolist()):
+            inputs = reference_inputs(data.train.examples[i], n, processing)
+            reference += model(**inputs).loss * (inputs["labels"][:, 1:] != -100).sum()
+        static_image_merge(model)
+        names = model_input_names(model)
+        packed = PackedInputs(model, Precision(), names)
+        ours = 0.0
+        for start in range(0, len(data.train), 2):
+            batch = packed(data.collator([data.train[i] for i in range(start, start + 2) if i < len(data.train)]))
+            loss = model(**{k: v for k, v in batch.items() if k in names}).loss
+            ours += loss * (batch["labels"][:, 1:] != -100).sum()
+    assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5), (float(ours), float(reference))
