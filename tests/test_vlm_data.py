@@ -210,6 +210,8 @@ def image_row(images, parts: int | None = None, answer: str = "red") -> dict:
     (image_row(["images/red.png"], parts=2), r"line 2: the messages hold 2 image placeholder\(s\) .* and the row has 1 image"),
     (image_row("images/red.png", parts=1), r"line 2: 'images' is str, not a list of images"),
     ({"messages": [{"role": "robot", "content": "hi"}], "images": []}, r"line 2: message 0 in 'messages' has role 'robot'"),
+    (image_row(["images/red.png"], answer="an <image> tag"),
+     r"line 2: the rendered conversation holds 2 image placeholder\(s\) '<image>' for 1 image\(s\)"),
 ])
 def test_a_bad_row_is_one_line_naming_it(processing, tmp_path, bad, match):
     path = write_rows(tmp_path, [image_row(["images/red.png"]), bad])

@@ -208,26 +208,26 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     else:
         ids, _ = chat.tokenize(text)
         mask = [True] * len(ids)
-    learned = np.zeros(len(text) + 1, dtype=bool)
+    learned = np.zeros(len(text), dtype=bool)  # per character of the rendering
     for (start, end), on in zip(chat.tokenize(text)[1], mask):
         learned[start:end] |= on
     expanded, origin = _expand(text, processing, buckets, where)
     encoded = processing.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-    labels = np.full(len(input_ids), IGNORE_INDEX, dtype=np.int32)
-    for k, ((start, end), token) in enumerate(zip(encoded["offset_mapping"], input_ids)):
-        came_from = origin[start:end]
-        came_from = came_from[came_from >= 0]
-        if k > 0 and token != processing.image_token_id and learned[came_from].any():
-            labels[k] = token
+    offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    # A token is learned when one of its characters came from a learned one of the rendering.
+    from_learned = np.concatenate([[0], np.cumsum(np.where(origin >= 0, learned[origin], False))])
+    on = (from_learned[offsets[:, 1]] > from_learned[offsets[:, 0]]) \
+        & (input_ids != processing.image_token_id) & (np.arange(len(input_ids)) > 0)
+    labels = np.where(on, input_ids, IGNORE_INDEX).astype(np.int32)
     image_at = np.flatnonzero(input_ids == processing.image_token_id)
     if len(image_at) != len(refs) * processing.buckets.tokens:
         raise InputError(f"{where}: the expanded conversation holds {len(image_at)} image tokens, not "
-                         f"{len(refs)} image(s) x {processing.buckets.tokens}: the chat template "
-                         f"writes the image token {processing.placeholder!r} outside image parts")
+                         f"{len(refs)} image(s) x {processing.buckets.tokens}: a message's text "
+                         "holds the model's image token")
     if not (labels != IGNORE_INDEX).any():
         return None
-    end = _images_end(encoded["offset_mapping"], origin, image_at)
+    end = _images_end(offsets, origin, image_at)
     return ImageExample(input_ids, labels, refs, buckets, end, where)
 
 
@@ -236,8 +236,10 @@ def _expand(text: str, processing: Processing, buckets: list[int], where: str) -
     characters the index of the character of `text` it came from, -1 where inserted)."""
     found = [m.span() for m in re.finditer(re.escape(processing.placeholder), text)]
     if len(found) != len(buckets):
-        raise InputError(f"{where}: the chat template wrote {len(found)} image placeholder(s) "
-                         f"({processing.placeholder!r}) for {len(buckets)} image(s)")
+        raise InputError(f"{where}: the rendered conversation holds {len(found)} image "
+                         f"placeholder(s) {processing.placeholder!r} for {len(buckets)} image(s): a "
+                         f"message's text holds {processing.placeholder!r}, or the chat template "
+                         "writes it outside image parts")
     pieces, origin, last = [], [], 0
     for (start, end), bucket in zip(found, buckets):
         pieces += [text[last:start], processing.expansions[bucket]]
