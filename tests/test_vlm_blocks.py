@@ -5,6 +5,7 @@ masked_scatter of image features, unpacked rows, validation, and blocks of the t
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -178,7 +179,7 @@ def test_default_slots_and_refusal(stand_ins):
     with pytest.raises(InputError, match=r"^--image-slots 2 is fewer than the 3 images of one example"):
         pack(blocks.BlockLayout(processing, 2), examples, 128)
     with pytest.raises(InputError, match="at least 1"):
-        blocks.check_slots(0, 0)
+        blocks.check_slots(0)
 
 
 # -- block tensors -----------------------------------------------------------------------------------
@@ -347,6 +348,8 @@ def test_tiny_folder_blocks(processings, image_data, family):
                 assert torch.equal(block["position_ids"][:, at:at + n], reference[:, 0])
     batch = data.collator([data.train[i] for i in range(min(3, len(data.train)))])
     assert batch["input_ids"].shape == (min(3, len(data.train)), 96)
+    again = pickle.loads(pickle.dumps(data.train))[0]  # as DataLoader workers started by spawn get it
+    assert all(torch.equal(again[key], value) for key, value in data.train[0].items())
 
 
 def test_validation_is_the_last_examples(processings, image_data):
@@ -389,7 +392,9 @@ def test_unpacked_slots_and_the_image_slots_refusal(processings, image_data):
                            options(packing=False, validation_split_percentage=0), rows=rows_of(path))
     assert data.slots == most and len(data.train) == len(examples)
     assert data.train[0]["image_grid_thw"].shape == (most, 3)
-    with pytest.raises(InputError, match=rf"^--image-slots 1 is fewer than the {most} images of one example"):
+    fullest = next(e.where for e in examples if len(e.images) == most)
+    with pytest.raises(InputError, match=rf"^--image-slots 1 is fewer than the {most} images of one example "
+                                         rf"\({re.escape(fullest)}\): give --image-slots {most} or more"):
         load_image_data(str(path), "messages", processing, 128, options(image_slots=1), rows=rows_of(path))
 
 
@@ -441,7 +446,8 @@ def test_data_path_blocks_give_transformers_per_example_loss(processings, vlm_fo
         packed = PackedInputs(model, Precision(), names)
         ours = 0.0
         for start in range(0, len(data.train), 2):
-            batch = packed(data.collator([data.train[i] for i in range(start, start + 2) if i < len(data.train)]))
+            pair = [data.train[i] for i in range(start, start + 2) if i < len(data.train)]
+            batch = packed(data.collator(pair))
             loss = model(**{k: v for k, v in batch.items() if k in names}).loss
             ours += loss * (batch["labels"][:, 1:] != -100).sum()
     assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5), (float(ours), float(reference))

@@ -75,6 +75,8 @@ class Kept:
     lengths: np.ndarray
     counts: np.ndarray
     stats: BlockStats
+    fullest: str = ""
+    """The row of the example with the most images (how errors name it)."""
 
     @property
     def most(self) -> int:
@@ -103,8 +105,9 @@ def cut_examples(examples, select, block_size: int) -> Kept:
         lengths.append(n)
         counts.append(len(examples[i].images))
     stats.examples, stats.tokens, stats.images = len(kept), sum(lengths), sum(counts)
+    fullest = getattr(examples[kept[int(np.argmax(counts))]], "where", "") if kept else ""
     return Kept(np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
-                np.asarray(counts, dtype=np.int64), stats)
+                np.asarray(counts, dtype=np.int64), stats, fullest)
 
 
 def default_slots(counts: list[int], lengths: list[int], block_size: int, most: int) -> int:
@@ -115,13 +118,15 @@ def default_slots(counts: list[int], lengths: list[int], block_size: int, most: 
     return max(1, mean, most)
 
 
-def check_slots(slots: int, most: int) -> None:
-    """--image-slots K must be at least 1 and hold the example with the most images."""
+def check_slots(slots: int, *kept: Kept) -> None:
+    """--image-slots K must be at least 1 and hold the example with the most images (of `kept`)."""
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise InputError(f"--image-slots must be a whole number of at least 1, got {slots!r}")
-    if most > slots:
-        raise InputError(f"--image-slots {slots} is fewer than the {most} images of one example: "
-                         f"give --image-slots {most} or more, or leave it out")
+    fullest = max(kept, key=lambda k: k.most, default=None)
+    if fullest is not None and fullest.most > slots:
+        where = f" ({fullest.fullest})" if fullest.fullest else ""
+        raise InputError(f"--image-slots {slots} is fewer than the {fullest.most} images of one "
+                         f"example{where}: give --image-slots {fullest.most} or more, or leave it out")
 
 
 # -- the plan: which examples each block holds ------------------------------------------------------
@@ -172,7 +177,7 @@ def _plan(bins: list[list[int]], kept: np.ndarray, cut: np.ndarray) -> tuple[Rag
 def pack_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> tuple[ImageBlocks, BlockStats]:
     """The kept examples packed into blocks of block_size tokens and layout.slots images (K)."""
     slots = layout.slots
-    check_slots(slots, kept.most)
+    check_slots(slots, kept)
     bins = packing.best_fit_decreasing(kept.lengths.tolist(), block_size, kept.counts.tolist(), slots)
     members, lengths = _plan(bins, kept.indices, kept.lengths)
     stats = replace(kept.stats, blocks=len(bins), slots=slots)
@@ -187,7 +192,7 @@ def unpacked_images(layout: BlockLayout, examples, kept: Kept,
     """--no-packing: one example a block, its length the smallest of LENGTH_BUCKETS lengths up to
     block_size that holds it, with layout.slots image slots (at least the most of one example)."""
     slots = layout.slots
-    check_slots(slots, kept.most)
+    check_slots(slots, kept)
     lengths = bucket_lengths(LENGTH_BUCKETS, block_size)
     sizes = np.asarray([lengths[np.searchsorted(lengths, n)] for n in kept.lengths.tolist()],
                        dtype=np.int64)

@@ -103,7 +103,7 @@ def choose_slots(options, train: Kept, held: Kept | None, block_size: int) -> in
     most = max(train.most, held.most if held is not None else 0)
     requested = getattr(options, "image_slots", None)
     if requested is not None:
-        blocks.check_slots(requested, most)
+        blocks.check_slots(requested, *([train] if held is None else [train, held]))
         return requested
     if not options.packing:
         return max(1, most)
