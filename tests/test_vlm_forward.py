@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hputrain.data.batching import model_input_names
+from hputrain.data.vision.blocks import ImageCollator
 from hputrain.execution.precision import Precision
 from hputrain.execution.vision import static_image_merge
 from hputrain.models.vision import image_token_id
@@ -125,19 +126,16 @@ def block(family: Family, model, examples: list[dict], size: int) -> dict:
                       for i in range(len(example.get("image_grid_thw", example["pixel_values"])))]
     out["position_ids"][..., at:] = torch.arange(size - at)
     assert len(slots) <= K
-    out["slots"] = slots + [family.blank()] * (K - len(slots))
-    out["image_count"] = len(slots)
+    out["image_count"] = torch.tensor(len(slots))
+    slots += [family.blank()] * (K - len(slots))
+    for key in slots[0]:
+        out[key] = torch.cat([slot[key] for slot in slots])
     return out
 
 
-def collate(blocks: list[dict]) -> dict:
-    """Blocks stacked into a batch, the image slots of the whole batch real images first."""
-    batch = {key: torch.stack([b[key] for b in blocks]) for key in ("input_ids", "labels", "position_ids", "seq_lens")}
-    real = [s for b in blocks for s in b["slots"][:b["image_count"]]]
-    padding = [s for b in blocks for s in b["slots"][b["image_count"]:]]
-    for key in real[0] if real else padding[0]:
-        batch[key] = torch.cat([s[key] for s in real + padding])
-    return batch
+collate = ImageCollator()
+"""Blocks stacked into a batch, the image slots of the whole batch real images first (part B's
+collator, data/vision/blocks.py)."""
 
 
 def packed_loss(model, batch: dict) -> torch.Tensor:
@@ -187,7 +185,7 @@ def test_packed_blocks_give_transformers_per_example_loss_and_gradients(family, 
     reference = sum(f.reference(reference_model, e) for e in encoded[:3]) + \
         sum(f.reference(reference_model, e) for e in encoded[1:2] + encoded[3:4])
     first, second = batches(f, model, encoded)
-    assert [b["image_count"] for b in first + second] == [1, 2, 0, 1]
+    assert [int(b["image_count"]) for b in first + second] == [1, 2, 0, 1]
     ours = packed_loss(model, collate(first)) + packed_loss(model, collate(second))
     compare(reference_model, model, reference, ours)
     assert "get_placeholder_mask" in vars(model.model) and "get_placeholder_mask" not in vars(reference_model.model)

@@ -21,6 +21,10 @@ simple, so that what `hputrain doctor` reports is the user's, not the backend's:
 - indexing by integer tensors (`mask[batch_idx, kv_idx]`, as transformers builds its attention
   masks) falls back; it is done here as an embedding lookup. Boolean indexing still falls back, as it
   does on Gaudi (its result's shape depends on the data).
+- masked_scatter (how transformers' vision-language models put image features in place of image
+  tokens) has no lazy kernel and cannot fall back (a view op inside it): it is done as a gather,
+  each masked element taking the source element at its rank among the masked ones (a cumsum),
+  which keeps the shapes static; Gaudi has a kernel for it.
 - AdamW's lerp and clip_grad_norm_'s vector norm fall back to eager ops; both are written here in
   the backend's own ops (Gaudi has FusedAdamW and FusedClipNorm for the same work).
 - a 0-dim zeros (torch.zeros, zeros_like, new_zeros) is the backend's uninitialised `empty`
@@ -203,6 +207,18 @@ def _getitem(tensor, index):
     return rows.reshape(*linear.shape, *rest)
 
 
+def _masked_scatter(tensor, mask, source):
+    """`tensor.masked_scatter(mask, source)` on the lazy device: each element where `mask`
+    (broadcast to tensor's shape) is True takes source's element at its rank among them, in
+    row-major order, as the op does; the rest of source is never read."""
+    if tensor.device.type != "lazy":
+        return torch.Tensor.masked_scatter(tensor, mask, source)
+    mask = mask.expand(tensor.shape)
+    rank = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0)
+    values = F.embedding(rank, source.reshape(-1, 1)).reshape(tensor.shape)
+    return tensor.masked_fill(mask, 0) + values.masked_fill(mask.eq(False), 0)
+
+
 def _host_zero(func):
     """`func` (a zeros factory) whose 0-dim result on the lazy device is a zero copied from the
     host rather than the backend's zeroed garbage (see the module's docstring)."""
@@ -226,6 +242,7 @@ _REPLACEMENTS = {
     **{f: _grouped_mm(f) for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f},
     F.scaled_dot_product_attention: _composed_attention,
     torch.Tensor.__getitem__: _getitem,
+    torch.masked_scatter: _masked_scatter, torch.Tensor.masked_scatter: _masked_scatter,
 }
 
 

@@ -1,0 +1,101 @@
+"""Packed image blocks in lazy and compile modes (issue 41, item 4): LLaVA, Gemma 3 and
+Qwen2.5-VL trained by hputrain's Trainer on blocks whose image counts and image positions differ
+every step (K=2 slots, padded with blank images, the batch's real images first) compile their
+graphs in the warm-up steps and none after, and read nothing back to the host inside a step: the
+static image merge (execution/vision.py) and the device-built masks (training/packed.py) hold the
+step's graph fixed."""
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from hputrain import Callback, Trainer, TrainingArguments
+from hputrain.accelerators.cpu_lazy import HostReads
+
+from .hf_fixtures import lazy_rehearses_hf_models
+from .test_moe_modes import DynamoGraphs
+from .test_vlm_forward import TEXTS, Family, block, collate, images
+from .vlm_fixtures import FAMILIES, vlm_folders  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, WARMUP, BATCH = 6, 2, 2
+PAIRS = [(1, 0), (0, 2), (1, 1), (0, 0), (2, 0), (0, 1), (1, 0), (0, 0), (1, 1), (0, 2), (2, 0), (0, 1)]
+"""Images of the two examples of each block: 0 to 2 a block, at places that change every step."""
+
+
+def blocks(family: Family) -> list[dict]:
+    """A block of two examples per PAIRS entry, every block the same length."""
+    pairs = [[family.encode(*TEXTS[(2 * i + j) % len(TEXTS)], images(family.family, count, seed=2 * i + j))
+              for j, count in enumerate(pair)] for i, pair in enumerate(PAIRS)]
+    size = max(sum(e["input_ids"].shape[1] for e in p) for p in pairs) + 2
+    return [block(family, family.model, p, size) for p in pairs]
+
+
+class StepReads(Callback):
+    """Counts reads of lazy tensors back to the host inside each optimizer step (HostReads)."""
+
+    def __init__(self, reads: HostReads) -> None:
+        self.reads, self.per_step = reads, []
+
+    def on_step_begin(self, trainer) -> None:
+        self.reads.in_step, self._before = True, self.reads.count
+
+    def on_step_end(self, trainer) -> None:
+        self.reads.in_step = False
+        self.per_step.append(self.reads.count - self._before)
+
+
+def as_published(family: str, folder, tmp_path):
+    """The tiny folder; Gemma 3's without SigLIP's attention-pooling head, as every published
+    Gemma 3 has it (vision_use_head false: the model reads the tower's last hidden state, and the
+    head's nn.MultiheadAttention meets gaps of the CPU lazy backend that Gaudi has not)."""
+    if family != "gemma3":
+        return folder
+    copied = shutil.copytree(folder, tmp_path / "gemma3")
+    config = json.loads((copied / "config.json").read_text())
+    config["vision_config"]["vision_use_head"] = False
+    (copied / "config.json").write_text(json.dumps(config))
+    return copied
+
+
+def train(family: str, folder, tmp_path, mode: str, callbacks=()) -> dict:
+    f = Family(family, as_published(family, folder, tmp_path))
+    data = blocks(f)
+    counts = [[int(b["image_count"]) for b in data[i:i + BATCH]] for i in range(0, len(data), BATCH)]
+    places = {tuple(torch.cat([b["input_ids"] for b in data[i:i + BATCH]]).eq(f.image_token).nonzero()[:, 0].tolist())
+              for i in range(0, len(data), BATCH)}
+    assert len({tuple(c) for c in counts}) > 2 and len(places) >= STEPS - 1  # the images move
+    args = TrainingArguments(output_dir=str(tmp_path / mode), max_steps=STEPS, logging_steps=STEPS,
+                             per_device_train_batch_size=BATCH, learning_rate=1e-3, save_steps=0,
+                             disable_tqdm=True, execution_mode=mode, accelerator="cpu", seed=0,
+                             throughput_warmup_steps=WARMUP, report_to="none",
+                             remove_unused_columns=False)  # the collator reads image_count
+    trainer = Trainer(copy.deepcopy(f.model), args, train_dataset=data, data_collator=collate,
+                      callbacks=list(callbacks))
+    return trainer.train().metrics
+
+
+@lazy_rehearses_hf_models
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lazy_mode_compiles_nothing_after_warmup(family, vlm_folders, tmp_path):  # noqa: F811
+    """CPU lazy mode (torch._lazy): graphs in the warm-up steps only, and no value of the lazy
+    device read back to the host inside a step, though each step's images differ."""
+    reads = HostReads(locate=lambda name: name)
+    watch = StepReads(reads)
+    with reads:
+        metrics = train(family, vlm_folders(family), tmp_path, "lazy", [watch])
+    assert metrics["graph_compiles"] > 0 and metrics["graph_compiles_after_warmup"] == 0, metrics
+    assert watch.per_step == [0] * STEPS, reads.where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compile_mode_compiles_nothing_after_warmup(family, vlm_folders, tmp_path):  # noqa: F811
+    """torch.compile (inductor on the CPU): the step's graphs are made in the warm-up steps, none
+    after."""
+    graphs = DynamoGraphs()
+    train(family, vlm_folders(family), tmp_path, "compile", [graphs])
+    assert sum(graphs.per_step[:WARMUP]) > 0 and graphs.per_step[WARMUP:] == [0] * (STEPS - WARMUP)
