@@ -87,6 +87,29 @@ def test_loading_on_the_meta_device_equals_from_pretrained_bit_for_bit(vlm_folde
     assert old_layout == (family != "qwen2_5_vl")
 
 
+def test_an_adapter_folder_loads_on_the_meta_device_as_peft_loads_it(tmp_path, vlm_folders):
+    """A LoRA run's adapters (--model FINAL under fsdp, training continuing on them): the base
+    on the meta device filled from its folder, the adapters PEFT's values, every tensor equal to
+    load_vision's eager load (from_pretrained + PEFT)."""
+    from hputrain.distributed.fsdp import materialise, weight_source
+    from hputrain.recipes.hf_vision import load_vision
+
+    trained = script.prepared(vlm_folders("llava"), "lora", sharded=False)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # zero-initialised B would not show its values were loaded
+    trained.save_pretrained(tmp_path / "adapter")
+    expected = load_vision(tmp_path / "adapter", trainable=True)[0].state_dict()
+    model = load_vision(tmp_path / "adapter", trainable=True, sharded=True)[0]
+    assert any(p.is_meta for p in model.parameters())
+    materialise(model, torch.device("cpu"), 0, weight_source(model))
+    actual = model.state_dict()
+    assert expected.keys() == actual.keys() and any("lora_B" in name for name in actual)
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+
+
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(vlm_folders, family):
     """Every block checkpointed (the tower's layers and the decoder's, all trained): the loss

@@ -4,14 +4,14 @@ one-process reference (`run`).
 
     vlm_fsdp_script.py FOLDER RUN [RUN ...]    RUN: OUTPUT_DIR,CHOICE[,FLAG ...]
 
-CHOICE: `lora` (LoRA r=4 on the language model's linear layers; everything else frozen, as PEFT
-leaves it), `full` (full fine-tuning, the vision tower frozen) or `tower` (everything trained,
-the vision tower too). FLAGs: `checkpointing` (gradient_checkpointing=True), `save2`
+CHOICE, as the recipe makes it (recipes/hf_vision.py): `lora` (LoRA r=4 on the language model's
+linear layers, everything else frozen), `full` (full fine-tuning, the vision tower frozen, the
+projector trained) or `tower` (everything trained, the vision tower too). FLAGs: `checkpointing` (gradient_checkpointing=True), `save2`
 (a sharded checkpoint every 2 steps), `from=DIR` (resume from DIR, another run's checkpoint).
 
 Under fsdp across processes the model is built on the meta device and each rank reads its own
-shards of the folder (recipes/hf_sharded.py meta_model with AutoModelForImageTextToText); in
-one process it is transformers' own from_pretrained. The batches are built by hand: each example
+shards of the folder (hf_vision.load_vision(sharded=True): recipes/hf_sharded.py meta_model
+with AutoModelForImageTextToText); in one process it is transformers' own from_pretrained. The batches are built by hand: each example
 one image (random pixel values; Qwen2.5-VL a 4x4-patch grid) whose image tokens stand in
 input_ids as transformers' processors expand them, the rest random text, labels -100 on the
 image tokens and the prompt; no packing, so transformers' own forward runs unchanged.
@@ -47,8 +47,6 @@ def recording_read(self, key, index):
 LENGTH = 24
 """Tokens per example."""
 STEPS = 3
-LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-"""LoRA's target: the language model's linear layers, none of the vision tower's."""
 
 
 def examples(config, count: int = 12) -> list[dict]:
@@ -85,43 +83,25 @@ def collate(samples: list[dict]) -> dict:
 
 
 def load(folder: Path, sharded: bool):
-    """The folder's model in float32: on the meta device, filled shard by shard by fsdp, or
-    transformers' from_pretrained."""
-    import transformers
+    """The folder's model as the recipe loads it (recipes/hf_vision.load_vision, float32): on the
+    meta device, filled shard by shard by fsdp, or transformers' from_pretrained."""
+    from hputrain.recipes.hf_vision import load_vision
 
-    from hputrain.recipes.hf_sharded import meta_model
-
-    if sharded:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        model = meta_model(folder, config, "--model", transformers.AutoModelForImageTextToText)
-        assert model is not None, "the folder's weights do not map onto the model"
-        return model
-    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    return load_vision(folder, sharded=sharded)[0]
 
 
 def prepared(folder: Path, choice: str, sharded: bool):
-    """The model to train for `choice`, its adapters drawn after torch.manual_seed(0)."""
-    from hputrain.models.vision import vision_family
+    """The model to train for `choice`, frozen and wrapped as the recipe does it
+    (hf_vision.prepare_parts), LoRA's adapters drawn after torch.manual_seed(0), without dropout
+    (each rank would draw its own)."""
+    from hputrain.recipes.hf import HFOptions
+    from hputrain.recipes.hf_vision import prepare_parts
 
     model = load(folder, sharded)
-    family = vision_family(model.config)
-    if choice == "full":  # the projector stays trained (Qwen's merger sits inside its tower)
-        for name, param in model.model.named_parameters():
-            if name.startswith(family.tower + ".") and not name.startswith(family.projector + "."):
-                param.requires_grad_(False)
+    lora = {"lora_r": 4, "lora_dropout": 0.0} if choice == "lora" else {}
+    options = HFOptions(model=str(folder), dataset="unused", train_vision_tower=choice == "tower", **lora)
     torch.manual_seed(0)
-    if choice != "lora":
-        return model
-    import peft
-
-    from hputrain.distributed.fsdp import on_meta
-    from hputrain.recipes.hf_sharded import draw_adapters
-
-    state = torch.random.get_rng_state()
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
-    if on_meta(model):
-        draw_adapters(wrapped, state)
-    return wrapped
+    return prepare_parts(model, options)
 
 
 def gathered(model) -> dict:
