@@ -13,7 +13,7 @@ import pytest
 
 from hputrain.data.vision import (Processing, check_fits, detect_image_format, encode_split,
                                   make_buckets, open_image, split_rows)
-from hputrain.data.vision.rows import conversation
+from hputrain.data.vision.rows import SavedImage, conversation
 from hputrain.errors import InputError
 from hputrain.models.vision import FAMILIES as VISION_FAMILIES
 from hputrain.recipes import hf_data
@@ -158,19 +158,33 @@ def test_completion_only_and_every_token(processing, image_data, family):  # noq
 
 
 def test_save_to_disk_images_give_the_same_examples(processing, image_data, tmp_path):  # noqa: F811
-    """A save_to_disk data set whose `images` are datasets.Image values encodes to the same ids,
-    labels, buckets and pixels as the same rows with image files beside a JSON Lines file."""
+    """A save_to_disk data set whose `images` are datasets.Image values (a Dataset, and a
+    DatasetDict's validation split) encodes to the same ids, labels, buckets and pixels as the
+    same rows with image files beside a JSON Lines file; its images stay in its Arrow files
+    (references to them pickle) until their pixels are made."""
+    import pickle
+
+    import datasets
+
     made = processing("qwen2_5_vl")
     saved = save_image_dataset(tmp_path / "saved")
-    _, from_disk, stats, fmt = encode(saved, made)
+    split = tmp_path / "split"
+    datasets.DatasetDict({"train": datasets.load_from_disk(str(saved)).select(range(3)),
+                          "validation": datasets.load_from_disk(str(saved))}).save_to_disk(str(split))
     _, from_files, _, _ = encode(image_data("messages"), made)
-    assert fmt == "messages" and stats.rows == 24 and len(from_disk) == len(from_files)
-    for a, b in zip(from_disk, from_files):
-        assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
-        assert a.buckets == b.buckets
-        for ref_a, ref_b, bucket in zip(a.images, b.images, a.buckets):
-            np.testing.assert_array_equal(made.pixels(ref_a, bucket)["pixel_values"].numpy(),
-                                          made.pixels(ref_b, bucket)["pixel_values"].numpy())
+    for where, folder, part in (("row", saved, "train"), ("(its validation split) row", split, "validation")):
+        rows = list(split_rows(str(folder), part, hf_data.records, hf_data.source_files))
+        from_disk, stats = encode_split(rows, "messages", made, OPTIONS)
+        assert stats.rows == 24 and len(from_disk) == len(from_files)
+        assert from_disk[5].where == f"--dataset {folder} {where} 5"
+        for a, b in zip(from_disk, from_files):
+            assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+            assert a.buckets == b.buckets
+            assert all(isinstance(ref, SavedImage) for ref in a.images)
+            assert pickle.loads(pickle.dumps(a.images)) == a.images
+            for ref_a, ref_b, bucket in zip(a.images, b.images, a.buckets):
+                np.testing.assert_array_equal(made.pixels(ref_a, bucket)["pixel_values"].numpy(),
+                                              made.pixels(ref_b, bucket)["pixel_values"].numpy())
 
 
 def test_blank_is_the_image_processors_black_image(processing):

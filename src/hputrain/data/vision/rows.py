@@ -8,10 +8,11 @@ Formats (`detect_image_format`, from the columns):
   image               a single `image` column beside `messages`, or `prompt` and `completion`
 
 An image is a file path (relative to the data file, as TRL's data sets on disk are laid out), a
-datasets Image value from save_to_disk (a PIL image, or {"bytes", "path"} when read undecoded),
-or raw bytes. It becomes an `ImageRef`: an absolute path, or the image's bytes (a PIL image
-without a file behind it is written as PNG, losslessly), which pickles into DataLoader workers
-and opens with `open_image`.
+datasets Image value of a save_to_disk folder, a PIL image, or raw bytes. It becomes an
+`ImageRef`, which pickles into DataLoader workers and opens with `open_image`: an absolute path;
+a `SavedImage` (where the image lies in a save_to_disk folder: read, undecoded, from its
+memory-mapped Arrow files when a block is made, so that no image is held in memory until then);
+or the image's bytes (a PIL image without a file behind it is written as PNG, losslessly).
 
 Plain string contents are allowed beside parts. Where a conversation's contents are all strings,
 the images' placeholders go before the first user message's text (TRL's
@@ -19,14 +20,31 @@ prepare_multimodal_messages rule). Every problem is one InputError line naming t
 """
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError, did_you_mean
 
-ImageRef = str | bytes
-"""An image as the examples keep it: an absolute file path, or the encoded image's bytes."""
+
+@dataclass(frozen=True)
+class SavedImage:
+    """An image inside a data set written by save_to_disk."""
+
+    folder: str
+    split: str | None
+    """The DatasetDict's split; None for a Dataset."""
+    row: int
+    column: str
+    index: int | None
+    """Its place in the row's list of images; None where the column holds one image."""
+
+
+ImageRef = str | bytes | SavedImage
+"""An image as the examples keep it: an absolute file path, an image of a save_to_disk folder,
+or the encoded image's bytes."""
 
 FORMATS = ("messages", "prompt_completion", "image")
 """TRL's vision row formats, as `detect_image_format` names them."""
@@ -166,6 +184,8 @@ def image_ref(value, folder: Path | None, where: str) -> ImageRef:
     """The picklable reference of one image value of a row: a path (relative to `folder`, the
     data file's folder), {"bytes", "path"} (save_to_disk read undecoded), a PIL image (decoded:
     its file when it has one, else its pixels as PNG bytes) or bytes. A missing file is one line."""
+    if isinstance(value, SavedImage):
+        return value
     if isinstance(value, Mapping):
         data, path = value.get("bytes"), value.get("path")
         if data is not None:
@@ -218,11 +238,16 @@ def open_image(ref: ImageRef, where: str | None = None):
 
 
 def describe(ref: ImageRef) -> str:
-    """How an error names an image: its path, or its size in bytes."""
+    """How an error names an image: its path, its place in a save_to_disk folder, or its size."""
+    if isinstance(ref, SavedImage):
+        at = "" if ref.index is None else f"[{ref.index}]"
+        return f"{ref.column}{at} of row {ref.row}"
     return ref if isinstance(ref, str) else f"({len(ref)} bytes in the data set)"
 
 
 def _source(ref: ImageRef):
+    if isinstance(ref, SavedImage):
+        return io.BytesIO(_saved_bytes(ref))
     return io.BytesIO(ref) if isinstance(ref, bytes) else ref
 
 
@@ -238,9 +263,94 @@ def split_rows(path: str, split: str, records, source_files) -> Iterator[tuple[s
     them, as `split_rows(path, split, hf_data.records, hf_data.source_files)`."""
     kind, files = source_files(path, split)
     if kind == "saved":
-        for where, row in records(path, split):
-            yield where, row, Path(path)
+        yield from _saved_rows(path, split, records)
         return
     for file in files:
         for where, row in records(str(file)):
             yield where, row, Path(file).parent
+
+
+def _saved_rows(path: str, split: str, records) -> Iterator[tuple[str, dict, Path]]:
+    """The rows of a save_to_disk folder, their datasets Image values as SavedImage references
+    (the Arrow column read for the list lengths only: nothing is decoded or kept); a data set
+    without Image columns as `records` reads it."""
+    data, name, key = _saved(path, split)
+    kinds = {column: _images_in(feature) for column, feature in data.features.items()}
+    kinds = {column: kind for column, kind in kinds.items() if kind is not None}
+    if not kinds:
+        for where, row in records(path, split):
+            yield where, row, Path(path)
+        return
+    import pyarrow.compute as pc
+
+    folder = str(Path(path).resolve())
+    others = data.select_columns([c for c in data.column_names if c not in kinds])
+    images = data.select_columns(list(kinds)).with_format("arrow")
+    for start in range(0, len(data), SAVED_BATCH):
+        batch, table = others[start:start + SAVED_BATCH], images[start:start + SAVED_BATCH]
+        counts = {c: (pc.list_value_length(table.column(c)) if kind == "list" else table.column(c).is_valid()
+                      ).to_pylist() for c, kind in kinds.items()}
+        for offset in range(table.num_rows):
+            number = start + offset
+            row = {column: values[offset] for column, values in batch.items()}
+            for column, kind in kinds.items():
+                count = counts[column][offset]
+                row[column] = (None if not count else SavedImage(folder, key, number, column, None)
+                               if kind == "one" else [SavedImage(folder, key, number, column, k)
+                                                      for k in range(count)])
+            yield f"{name} row {number}", row, Path(path)
+
+
+SAVED_BATCH = 256
+"""Rows of a save_to_disk folder read at a time."""
+
+
+def _saved(path: str, split: str):
+    """(the split's Dataset, how errors name it, its DatasetDict key or None)."""
+    import datasets
+
+    data = _load(str(Path(path).resolve()))
+    if not isinstance(data, datasets.DatasetDict):
+        return data, path, None
+    if split not in data:
+        raise InputError(f"--dataset {path} has no {split!r} split (it has: {', '.join(data)})")
+    return data[split], (path if split == "train" else f"{path} (its {split} split)"), split
+
+
+@functools.lru_cache(maxsize=4)
+def _load(folder: str):
+    """A save_to_disk folder, memory-mapped; loaded once per process (and per DataLoader worker)."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(folder)
+    except (OSError, ValueError, KeyError) as error:
+        raise InputError(f"--dataset {folder} cannot be loaded with datasets.load_from_disk: "
+                         f"{_reason(error)}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _saved_column(folder: str, split: str | None, column: str):
+    """One column of a save_to_disk folder's split in Arrow form (its images undecoded)."""
+    data = _load(folder)
+    data = data if split is None else data[split]
+    return data.select_columns([column]).with_format("arrow")
+
+
+def _saved_bytes(ref: SavedImage) -> bytes:
+    value = _saved_column(ref.folder, ref.split, ref.column)[ref.row].column(0)[0].as_py()
+    value = value if ref.index is None else value[ref.index]
+    if value.get("bytes") is not None:
+        return value["bytes"]
+    path = Path(value.get("path") or "")
+    return (path if path.is_absolute() else Path(ref.folder) / path).read_bytes()
+
+
+def _images_in(feature) -> str | None:
+    """"one" for a datasets Image feature, "list" for a list of them, else None."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return "one"
+    inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
+    return "list" if isinstance(inner, datasets.Image) else None
