@@ -451,3 +451,37 @@ def test_data_path_blocks_give_transformers_per_example_loss(processings, vlm_fo
             loss = model(**{k: v for k, v in batch.items() if k in names}).loss
             ours += loss * (batch["labels"][:, 1:] != -100).sum()
     assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5), (float(ours), float(reference))
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["paths", "save_to_disk"])
+def test_cached_examples_give_the_same_blocks(processings, image_data, tmp_path, saved):
+    """A second load reads the cached examples (image paths, or the images of a save_to_disk
+    data set) without reading a row, and makes the same blocks; other loss flags are another
+    cache."""
+    processing = processings("qwen2_5_vl")
+    path = save_image_dataset(tmp_path / "saved", rows=12) if saved else image_data("messages")
+
+    def key(split):
+        return f"{path} {split}"
+
+    def unread(split):
+        raise AssertionError("the rows were read again")
+
+    first = load_image_data(str(path), "messages", processing, 96, options(validation_split_percentage=20),
+                            tmp_path / "cache", rows=rows_of(path), cache_key=key)
+    second = load_image_data(str(path), "messages", processing, 96, options(validation_split_percentage=20),
+                             tmp_path / "cache", rows=unread, cache_key=key)
+    assert not first.from_cache and second.from_cache and second.cache_file == first.cache_file
+    assert second.rows == first.rows and second.stats == first.stats
+    for made, again in ((first.train, second.train), (first.validation, second.validation)):
+        assert len(made) == len(again)
+        for i in range(len(made)):
+            assert all(torch.equal(again[i][k], v) for k, v in made[i].items())
+    for a, b in zip(first.train.examples, second.train.examples, strict=True):
+        assert (a.input_ids.tolist(), a.labels.tolist(), a.images, a.buckets, a.images_end, a.where) == \
+            (b.input_ids.tolist(), b.labels.tolist(), b.images, b.buckets, b.images_end, b.where)
+    kinds = {type(ref).__name__ for e in second.train.examples for ref in e.images}
+    assert kinds == ({"SavedImage"} if saved else {"str"})
+    other = load_image_data(str(path), "messages", processing, 96, options(assistant_only_loss=False),
+                            tmp_path / "cache", rows=rows_of(path), cache_key=key)
+    assert not other.from_cache and other.cache_file != first.cache_file

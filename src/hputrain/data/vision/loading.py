@@ -5,10 +5,12 @@
 examples, before packing, so that no example is in both), chooses the image slots K once for both
 splits (the blocks of a run have one shape) and packs (blocks.pack_images) or pads one example a
 block (blocks.unpacked_images, --no-packing). The blocks hold the plan; pixel values are made when
-a block is read. The encoded examples are not cached on disk yet (every run encodes its rows).
+a block is read. The encoded examples are cached in `cache_dir` (cache.py) when the caller gives
+a key of the data files: made once per node, memory-mapped by every rank.
 
 Reading the rows is the recipe's (recipes/hf_data.records, a layer above): it hands a function of
-the split name giving (where, row, folder) triples, and the data set's split names.
+the split name giving (where, row, folder) triples, the data set's split names, and a function of
+the split name giving the hash of its data files (hf_data.cache_key) for the cache.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ...errors import InputError
 from ..token_store import check_workers
 from . import blocks
 from .blocks import BlockLayout, BlockStats, ImageBlocks, ImageCollator, Kept
+from .cache import cached_split
 from .encode import ImageStats, encode_split
 
 TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"
@@ -48,8 +51,9 @@ class ImageData:
     own_validation: bool = False
     """The validation blocks are the data set's own "validation" split."""
     from_cache: bool = False
+    """Every split's examples were read from the cache."""
     cache_file: Path | None = None
-    """No cache yet: always False and None."""
+    """The cache folder of the training split's examples (None: not cached)."""
 
     @property
     def slots(self) -> int:
@@ -58,18 +62,27 @@ class ImageData:
 
 def load_image_data(path: str, fmt: str, processing, block_size: int, options,
                     cache_dir: str | Path | None = None, *, rows: Rows,
-                    splits: Sequence[str] = ()) -> ImageData:
+                    splits: Sequence[str] = (), cache_key: Callable[[str], str] | None = None) -> ImageData:
     """The image data set at `path` (rows of `fmt`, read by `rows(split)`; `splits`: its split
     names) as blocks of block_size tokens. `options` is the recipe's HFOptions (packing,
     validation_split_percentage, image_slots, dataset_num_proc, and the loss flags encode_split
-    reads); `cache_dir` is not used yet."""
+    reads). The examples are cached in `cache_dir` when `cache_key(split)` gives the hash of
+    the split's data files."""
     percentage = options.validation_split_percentage
     own = percentage > 0 and VALIDATION_SPLIT in splits
     workers = check_workers(getattr(options, "dataset_num_proc", None))
-    train, counted = encode_split(rows(TRAIN_SPLIT), fmt, processing, options, workers)
+
+    def encoded(split: str):
+        def make():
+            return encode_split(rows(split), fmt, processing, options, workers)
+        if cache_dir is None or cache_key is None:
+            return (*make(), None, False)
+        return cached_split(cache_dir, cache_key(split), fmt, processing, options, make)
+
+    train, counted, cache_file, from_cache = encoded(TRAIN_SPLIT)
     if own:
-        held, more = encode_split(rows(VALIDATION_SPLIT), fmt, processing, options, workers)
-        counted = _add(counted, more)
+        held, more, _, cached = encoded(VALIDATION_SPLIT)
+        counted, from_cache = _add(counted, more), from_cache and cached
         train_part, held_part = np.arange(len(train)), np.arange(len(held))
     else:
         held = train
@@ -88,7 +101,8 @@ def load_image_data(path: str, fmt: str, processing, block_size: int, options,
         stats.add(more_stats)
     stats.rows = counted.rows
     return ImageData(fmt, made, validation if validation is not None and len(validation) else None,
-                     ImageCollator(layout.pad_token_id), stats, counted, own_validation=own)
+                     ImageCollator(layout.pad_token_id), stats, counted, own_validation=own,
+                     from_cache=from_cache, cache_file=cache_file)
 
 
 def _add(a: ImageStats, b: ImageStats) -> ImageStats:
