@@ -4,10 +4,11 @@ the root; activation checkpointing gives the loss and gradients of a run without
 loads shard by shard (built on the meta device, each rank reading its own rows, transformers'
 renaming of older layouts followed) bit for bit as from_pretrained loads it; and 2 processes
 train as one with the doubled batch, with a frozen tower + LoRA, with full fine-tuning, with
-checkpointing, and across a sharded checkpoint's save and resume (tests/vlm_fsdp_script.py).
+checkpointing, on packed image blocks, and across a sharded checkpoint's save and resume
+(tests/vlm_fsdp_script.py).
 
-The batches are built by hand (one image an example, unpacked): transformers' own forward runs
-unchanged."""
+Most batches are built by hand (one image an example, unpacked): transformers' own forward runs
+unchanged; one run trains on data.vision's packed blocks."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ import torch
 from . import vlm_fsdp_script as script
 from .test_distributed import ROOT, hputrain_launch
 from .test_sharded_loading import assert_no_whole_parameter_read
-from .vlm_fixtures import vlm_folders  # noqa: F401
+from .vlm_fixtures import image_data, vlm_folders  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -30,6 +31,7 @@ BLOCKS = {"llava": ("CLIPEncoderLayer", "LlamaDecoderLayer"),
           "gemma3": ("SiglipEncoderLayer", "Gemma3DecoderLayer"),
           "qwen2_5_vl": ("Qwen2_5_VLVisionBlock", "Qwen2_5_VLDecoderLayer")}
 """Each family's vision-tower layer and decoder layer (2 of each in the tiny models)."""
+TOWER = {"llava": "vision_tower", "qwen2_5_vl": "visual"}
 
 
 def from_pretrained(folder):
@@ -145,22 +147,24 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(vlm_folders,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
-def test_two_ranks_train_as_one_process_loaded_shard_by_shard(tmp_path, vlm_folders, family):
+def test_two_ranks_train_as_one_process_loaded_shard_by_shard(tmp_path, vlm_folders, image_data, family):
     """2 processes of batch 1 against one of batch 2, 3 steps: a frozen tower + LoRA on the
-    language model, full fine-tuning (tower frozen), and everything trained with activation
-    checkpointing; each loaded shard by shard, bit for bit as from_pretrained (+ PEFT's draws
-    under the same seed), no rank reading more than its half of a tensor; then full
-    fine-tuning resumed from its sharded checkpoint of step 2 ends where it did."""
+    language model, full fine-tuning (tower frozen), everything trained with activation
+    checkpointing, and LoRA with checkpointing on packed image blocks (data.vision's blocks and
+    collator, the static image merge and block-causal mask of the training forward); each loaded
+    shard by shard, bit for bit as from_pretrained (+ PEFT's draws under the same seed), no rank
+    reading more than its half of a tensor; then full fine-tuning resumed from its sharded
+    checkpoint of step 2 ends where it did. The one-process runs have no checkpointing."""
     folder = vlm_folders(family)
-    runs = {"lora": ["lora"], "full": ["full", "save2"], "tower": ["tower", "checkpointing"]}
+    runs = {"lora": ["lora"], "full": ["full", "save2"], "tower": ["tower", "checkpointing"],
+            "packed": ["lora", "checkpointing", f"blocks={image_data('messages')}"]}
     specs = [",".join([str(tmp_path / name), *flags]) for name, flags in runs.items()]
     specs.append(f"{tmp_path / 'resumed'},full,from={tmp_path / 'full' / 'checkpoint-2'}")
     proc, _ = hputrain_launch("--cpu", "--nproc-per-node", "2", SCRIPT, str(folder), *specs, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    vision, decoder = BLOCKS[family]
-    for name in runs:
-        single = tmp_path / f"single-{name}"
-        script.run(folder, single, name, batch=2)  # one process, from_pretrained
+    for name, flags in runs.items():
+        single = tmp_path / f"single-{name}"  # one process, from_pretrained, no checkpointing
+        script.run(folder, single, *[f for f in flags if f not in ("save2", "checkpointing")], batch=2)
         two = tmp_path / name
         assert losses(two) == pytest.approx(losses(single), abs=1e-5) and len(losses(two)) == 3
         assert_close_states(torch.load(single / "weights.pt"), torch.load(two / "weights.pt"), tol=1e-5)
@@ -169,18 +173,15 @@ def test_two_ranks_train_as_one_process_loaded_shard_by_shard(tmp_path, vlm_fold
         assert all(torch.equal(loaded[k], v) for k, v in expected.items())
         assert_no_whole_parameter_read(tmp_path, name, folder)
         units = json.loads((two / "layout.json").read_text())["units"]
-        tower_units = [u for u in units if f".{script_tower(family)}." in f".{u}."]
+        tower_units = [u for u in units if f".{TOWER[family]}." in f".{u}."]
         assert len(tower_units) == 2 and all(".layers." in u or ".blocks." in u for u in tower_units), units
         assert sum(".language_model.layers." in u for u in units) == 2 and "" in units, units
         assert not any("embeddings" in u or "merger" in u or "projector" in u for u in units), units
-    checkpointed = json.loads((tmp_path / "tower" / "layout.json").read_text())["checkpointed"]
-    layers = [name for name in checkpointed if re.search(r"\.(layers|blocks)\.\d+$", name)]
-    assert len(layers) == 4 and len([c for c in layers if ".language_model." in c]) == 2, checkpointed
+    for name in ("tower", "packed"):
+        checkpointed = json.loads((tmp_path / name / "layout.json").read_text())["checkpointed"]
+        layers = [n for n in checkpointed if re.search(r"\.(layers|blocks)\.\d+$", n)]
+        assert len(layers) == 4 and len([c for c in layers if ".language_model." in c]) == 2, checkpointed
     resumed = tmp_path / "resumed"
     assert losses(resumed) == pytest.approx(losses(tmp_path / "full")[-1:], abs=1e-6)
     assert_close_states(torch.load(tmp_path / "full" / "weights.pt"), torch.load(resumed / "weights.pt"),
                         tol=1e-6)
-
-
-def script_tower(family: str) -> str:
-    return "visual" if family == "qwen2_5_vl" else "vision_tower"

@@ -7,7 +7,10 @@ one-process reference (`run`).
 CHOICE, as the recipe makes it (recipes/hf_vision.py): `lora` (LoRA r=4 on the language model's
 linear layers, everything else frozen), `full` (full fine-tuning, the vision tower frozen, the
 projector trained) or `tower` (everything trained, the vision tower too). FLAGs: `checkpointing` (gradient_checkpointing=True), `save2`
-(a sharded checkpoint every 2 steps), `from=DIR` (resume from DIR, another run's checkpoint).
+(a sharded checkpoint every 2 steps), `from=DIR` (resume from DIR, another run's checkpoint),
+`blocks=DATA` (train on the packed blocks of the image data set DATA, TRL's `messages` rows,
+made by data.vision.load_image_data and batched by its ImageCollator, in place of the
+hand-built batches).
 
 Under fsdp across processes the model is built on the meta device and each rank reads its own
 shards of the folder (hf_vision.load_vision(sharded=True): recipes/hf_sharded.py meta_model
@@ -22,6 +25,7 @@ units, "" the root, and those checkpointed); the losses are in OUTPUT_DIR/metric
 rank records its reads of the weight files (the tensor's name and the rows read) in
 OUTPUT_DIR.reads.RANK.json, beside OUTPUT_DIR.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -82,6 +86,19 @@ def collate(samples: list[dict]) -> dict:
             else torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
+def packed_blocks(folder: Path, data: str):
+    """The packed blocks (128 tokens) of the image data set `data` as the recipe makes them, and
+    their collator."""
+    from hputrain.data.vision import Processing, load_image_data, split_rows
+    from hputrain.recipes import hf_data
+    from hputrain.recipes.hf import HFOptions
+
+    options = HFOptions(model=str(folder), dataset=data, validation_split_percentage=0, dataset_num_proc=1)
+    made = load_image_data(data, "messages", Processing.load(folder), 128, options,
+                           rows=lambda split: split_rows(data, split, hf_data.records, hf_data.source_files))
+    return made.train, made.collator
+
+
 def load(folder: Path, sharded: bool):
     """The folder's model as the recipe loads it (recipes/hf_vision.load_vision, float32): on the
     meta device, filled shard by shard by fsdp, or transformers' from_pretrained."""
@@ -132,7 +149,11 @@ def run(folder, output_dir, choice: str, *flags: str, strategy: str | None = Non
                              throughput_warmup_steps=0, seed=0, accelerator="cpu", strategy=strategy,
                              ddp_timeout=60, report_to="none",
                              gradient_checkpointing="checkpointing" in flags)
-    trainer = Trainer(model, args, train_dataset=examples(model.config), data_collator=collate)
+    data = next((flag.removeprefix("blocks=") for flag in flags if flag.startswith("blocks=")), None)
+    if data:  # the collator makes exactly the model's inputs (from image_count too), as the recipe
+        args = dataclasses.replace(args, remove_unused_columns=False)
+    dataset, collator = packed_blocks(folder, data) if data else (examples(model.config), collate)
+    trainer = Trainer(model, args, train_dataset=dataset, data_collator=collator)
     initial = gathered(trainer.model)
     (output_dir.parent / f"{output_dir.name}.reads.{trainer.group.rank}.json").write_text(json.dumps(READS))
     resume = next((flag.removeprefix("from=") for flag in flags if flag.startswith("from=")), None)
