@@ -11,12 +11,17 @@ Issue 40 made the model a factor: "dense" (the tiny Llama of every case before i
 tiny Mixtral that trains its router's load-balancing loss). The dense cases are chosen first,
 exactly as before, and the cases with the mixture of experts are added until every pair (triple)
 with it is covered too: a new level costs its own cases, not a new table. "dense" is left out of
-a case's name, so that the names of the dense cases stay those docs/reliability.md lists."""
+a case's name, so that the names of the dense cases stay those docs/reliability.md lists.
+
+Issue 41 adds the level "vlm": a tiny LLaVA (tests/vlm_fixtures.py) trained on image
+conversations (`messages` + `images`) or prompt-completion rows with images, read whole from a
+file. Each model level's cases are added after the previous level's, so that a new level never
+changes the cases (and names) of those before it."""
 from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NA = "n/a"
 
@@ -33,8 +38,9 @@ FACTORS = {
     # issue 31: the data set read whole and cached, or a folder of shards read as a stream;
     # issue 39: a folder of shards read whole (its validation/ subfolder the validation split)
     "source": ("file", "folder", "stream"),
-    # issue 40: a mixture of experts (last, so that the dense cases are picked as before)
-    "model": ("dense", "moe"),
+    # issue 40: a mixture of experts (last, so that the dense cases are picked as before);
+    # issue 41: a vision-language model on image data
+    "model": ("dense", "moe", "vlm"),
 }
 UNNAMED = {NA, "dense"}  # levels a case's name leaves out
 
@@ -60,6 +66,15 @@ ISSUE_CASES = (
          validation="val", reference="ref_adapters", precision="fp32", source="file", model="dense"),
 )
 
+# issue 41: the first cases of the "vlm" level are the default image fine-tune (LoRA on the
+# language model, the tower frozen, packed blocks) on one process and under fsdp (item 5: fsdp
+# wraps the vision and decoder blocks), the greedy choice adds the others.
+LEVEL_CASES = {"vlm": (
+    dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
+         validation="noval", reference=NA, precision="fp32", source="file", model="vlm"),
+    dict(method="chat", adapters="lora", packing="packed", processes="fsdp2", mode="eager",
+         validation="val", reference=NA, precision="fp32", source="file", model="vlm"))}
+
 
 def allowed(case: dict) -> bool:
     """Whether a full assignment of levels is a run a user can ask for and hputrain takes."""
@@ -77,8 +92,21 @@ def allowed(case: dict) -> bool:
         return False  # the adapter-disabled base needs adapters
     if case["reference"] == "ref_frozen" and case["adapters"] != "full":
         return False  # under LoRA without --ref-model the reference is the adapter-disabled base
+    if case["model"] == "vlm" and not vlm_allowed(case):
+        return False
     levels = set(case.items())
     return not any(pair <= levels for pair in REFUSED_PAIRS)
+
+
+def vlm_allowed(case: dict) -> bool:
+    """Whether the "vlm" level combines with the case's other levels."""
+    if case["method"] not in ("chat", "completion"):
+        return False  # image rows are SFT rows (messages, or prompt + completion); text, preference
+        # pairs and prompts for GRPO have no image path (DPO / GRPO on image data: one line, not yet)
+    if case["source"] != "file":
+        return False  # image data sets are read whole: a data file (or save_to_disk folder) with its
+        # images beside it; folders of JSON Lines parts and --streaming shards are text only
+    return True
 
 
 def _tuples(case: dict, strength: int, factors=FACTORS) -> set:
@@ -103,11 +131,14 @@ def covering_cases(strength: int = 2, required=ISSUE_CASES) -> list[dict]:
 def _cover(strength: int, required: tuple) -> tuple:
     candidates = [dict(zip(FACTORS, levels)) for levels in itertools.product(*FACTORS.values())]
     candidates = [case for case in candidates if allowed(case)]
-    dense = _greedy([case for case in candidates if case["model"] == "dense"], strength, required,
-                    [name for name in FACTORS if name != "model"])
-    # the dense cases hold every tuple with "dense" (each tuple of the other factors is in them)
-    return tuple(_greedy([case for case in candidates if case["model"] != "dense"], strength,
-                         dense, list(FACTORS)))
+    chosen = _greedy([case for case in candidates if case["model"] == "dense"], strength, required,
+                     [name for name in FACTORS if name != "model"])
+    # the dense cases hold every tuple with "dense" (each tuple of the other factors is in them);
+    # each further model level adds its own cases after those of the levels before it
+    for level in FACTORS["model"][1:]:
+        chosen = _greedy([case for case in candidates if case["model"] == level], strength,
+                         [*chosen, *LEVEL_CASES.get(level, ())], list(FACTORS))
+    return tuple(chosen)
 
 
 @functools.cache
@@ -151,11 +182,15 @@ class Inputs:
     reward_funcs: str = ""  # GRPO's FILE.py:NAME
     moe_model: str = ""  # issue 40: the model and the reference of the "moe" level
     moe_ref_model: str = ""
+    vlm_model: str = ""  # issue 41: the "vlm" level's tiny LLaVA folder
+    vlm_datasets: dict = field(default_factory=dict)  # method (chat, completion) -> image data file
 
     def models(self, case: dict) -> tuple[str, str]:
         """(--model, --ref-model) of a case."""
         if case.get("model") == "moe":
             return self.moe_model, self.moe_ref_model
+        if case.get("model") == "vlm":
+            return self.vlm_model, ""
         return self.model, self.ref_model
 
 
@@ -172,6 +207,8 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
         data = [inputs.streams[case["method"], case["validation"]], "--streaming"]
     elif case["source"] == "folder":
         data = [inputs.folders[case["method"], case["validation"]]]
+    elif case["model"] == "vlm":
+        data = [inputs.vlm_datasets[case["method"]]]
     else:
         data = [inputs.datasets[case["method"]]]
     model, ref_model = inputs.models(case)

@@ -29,6 +29,7 @@ import torch
 from . import combinations as combos
 from .hf_fixtures import tiny_llama_config, tiny_tokenizer
 from .moe_fixtures import tiny_moe_config
+from .vlm_fixtures import tiny_vlm_folder, write_image_dataset
 
 transformers = pytest.importorskip("transformers", reason="the combinations fine-tune HF models")
 peft = pytest.importorskip("peft", reason="half the combinations train LoRA adapters")
@@ -137,8 +138,9 @@ def _record_folders(root: Path, datasets: dict) -> dict:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> combos.Inputs:
     """A tiny Llama whose tokenizer carries ChatML's markers and template, another of the same
-    shape with other weights (--ref-model), a tiny Mixtral and its reference alike, and the data
-    sets."""
+    shape with other weights (--ref-model), a tiny Mixtral and its reference alike, a tiny LLaVA
+    with its processor, and the data sets (the LLaVA's: 40 image conversations and 40
+    prompt-completion rows with images, their PNG files beside them)."""
     root = tmp_path_factory.mktemp("combinations")
     tokenizer = tiny_tokenizer()
     tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
@@ -148,7 +150,11 @@ def inputs(tmp_path_factory) -> combos.Inputs:
                          datasets=(datasets := _datasets(root)), streams=_shard_folders(root),
                          folders=_record_folders(root, datasets), reward_funcs=_reward_file(root),
                          moe_model=_save_mixtral(root / "moe", tokenizer, seed=0),
-                         moe_ref_model=_save_mixtral(root / "moe-reference", tokenizer, seed=1))
+                         moe_ref_model=_save_mixtral(root / "moe-reference", tokenizer, seed=1),
+                         vlm_model=str(tiny_vlm_folder(root / "vlm", "llava")),
+                         vlm_datasets={method: str(write_image_dataset(root / f"vlm-{method}", fmt, rows=40))
+                                       for method, fmt in (("chat", "messages"),
+                                                           ("completion", "prompt_completion"))})
 
 
 def _reward_file(root: Path) -> str:
@@ -402,13 +408,22 @@ def check_final(case: dict, inputs: combos.Inputs, run: Run) -> None:
     """final/ loads as what it is (a whole model, or adapters on the base) and gives finite logits."""
     final = run.out / "final"
     base = inputs.models(case)[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(base if case["adapters"] == "lora"
-                                                              else final)
+    # a vision-language model's final/ loads as one, with its processor beside it (issue 41)
+    auto = (transformers.AutoModelForImageTextToText if case["model"] == "vlm"
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_pretrained(base if case["adapters"] == "lora" else final)
     if case["adapters"] == "lora":
         assert not (final / "model.safetensors").exists(), run.why()
         model = peft.PeftModel.from_pretrained(model, final)
+    batch = {"input_ids": torch.tensor([[1, 5, 7, 9]])}
+    if case["model"] == "vlm":  # an image through the tower, made by final/'s own processor
+        from PIL import Image
+
+        processor = transformers.AutoProcessor.from_pretrained(final)
+        batch = processor(text=["<image>what is it"], images=[Image.new("RGB", (40, 30), "red")],
+                           return_tensors="pt")
     with torch.no_grad():
-        logits = model(torch.tensor([[1, 5, 7, 9]])).logits
+        logits = model(**batch).logits
     assert torch.isfinite(logits).all(), run.why()
 
 
@@ -526,6 +541,9 @@ def test_refused_and_meaningless_pairs_are_left_out():
     assert not any(case["reference"] == "ref_adapters" for case in allowed if case["adapters"] == "full")
     assert not any(case["packing"] != combos.NA for case in allowed
                    if case["method"] in ("text", "dpo", "grpo"))
+    # issue 41: image rows are SFT rows read from a file (no text, pairs, prompts, folders, streams)
+    assert {(case["method"], case["source"]) for case in allowed if case["model"] == "vlm"} == {
+        ("chat", "file"), ("completion", "file")}
     # each factor's every level is still in some allowed case
     assert all({case[f] for case in allowed} == set(levels_) for f, levels_ in combos.FACTORS.items())
 
