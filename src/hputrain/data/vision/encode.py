@@ -184,8 +184,8 @@ def _processor(folder):
 
     try:
         processor = transformers.AutoProcessor.from_pretrained(folder)
-    except (ImportError, OSError, ValueError, KeyError, TypeError):
-        return None
+    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # (AttributeError: transformers' video-processor mapping without torchvision)
     return processor if isinstance(processor, ProcessorMixin) else None
 
 
