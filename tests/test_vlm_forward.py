@@ -264,3 +264,28 @@ def test_static_merge_is_idempotent_and_keeps_the_model(vlm_folders):  # noqa: F
     text = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     assert not static_image_merge(text)
+
+
+@pytest.mark.parametrize("sizes", [[(112, 112), (56, 224), (224, 56)], [(84, 84), (28, 252), (252, 28)]],
+                         ids=["whole-windows", "partial-windows"])
+def test_qwen_tower_static_inputs_equal_transformers(sizes):
+    """Qwen2.5-VL's image features with the tower's grid inputs precomputed and its attention
+    over all images at once (one patch count, buckets of different shapes, 56-pixel windows whole
+    or partial): transformers' own, image by image."""
+    from .vlm_fixtures import tiny_vlm_config, vlm_tokenizer, image_processor
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_vlm_config("qwen2_5_vl", vlm_tokenizer()))
+    processor = image_processor("qwen2_5_vl")
+    processor.min_pixels, processor.max_pixels = 28 * 28, 336 * 336
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes + sizes[:1]]
+    inputs = processor(images=pictures, return_tensors="pt")
+    assert len({tuple(g) for g in inputs["image_grid_thw"].tolist()}) == 3
+    expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    static = copy.deepcopy(model)
+    static_image_merge(static)
+    got = static.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -27,16 +27,20 @@ Host reads left in the forwards (transformers 5.24), on a static batch:
   and Python loops (transformers/vision_utils.py get_vision_position_ids, get_vision_window_index;
   Qwen2_5_VLVisionAttention splits by `cu_seqlens.tolist()`), and `get_image_features` splits the
   features by `image_grid_thw.prod(-1).tolist()`: four reads a step, and graphs that follow the
-  grids. `_static_image_features` hands the tower all of them precomputed (the keyword inputs
-  vision_utils pops for that purpose): positions and window order computed on the device from
-  `image_grid_thw` by elementwise ops, the split points (which depend on the shapes alone) made on
-  the host. That holds for hputrain's blocks, whose images all have the same number of patches
-  (one token count for every bucket) and whose buckets are whole attention windows: each side a
-  multiple of the tower's `window_size` pixels (112 for Qwen2.5-VL), so that every window is full.
+  grids (which bucket each slot holds). `_static_image_features` hands the tower what it would
+  derive (the keyword inputs vision_utils pops for that purpose): the patches' positions computed
+  on the device from `image_grid_thw` by elementwise ops, the split points (which follow from the
+  shapes alone) made on the host; and `_static_attention` runs the tower's attention on all
+  images at once, [images, heads, patches, head_dim], a window mask on the windowed layers,
+  where transformers splits per image and per window. That needs what hputrain's blocks hold:
+  images of one frame and one patch count (every bucket of a family has the same token count);
+  the windows may be partial (a bucket side that is not a multiple of `window_size`). With flash
+  attention requested the tower is left as it is (its split points stay on the device).
 """
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 
 import torch
@@ -94,60 +98,96 @@ def _with_video(self, input_ids, inputs_embeds, image_features=None, video_featu
 
 
 def _static_image_features(self, pixel_values, image_grid_thw=None, return_dict=True, **kwargs):
-    """Qwen2.5-VL's get_image_features on images of equal patch counts and whole windows, the
-    tower's grid inputs precomputed without a host read (see the module docstring); the features
-    come back split per image, as transformers' own."""
+    """Qwen2.5-VL's get_image_features on images of equal patch counts, the tower's grid inputs
+    precomputed without a host read (see the module docstring); the features come back split per
+    image, as transformers' own."""
     tower = self.visual
     images = image_grid_thw.shape[0]
-    kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}
+    if not _flash(tower):
+        kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}
+        _window_attention(tower)
     outputs = tower(pixel_values.type(tower.dtype), grid_thw=image_grid_thw, **kwargs)
     features = outputs.pooler_output
     outputs.pooler_output = features.split(features.shape[0] // images)
     return outputs if return_dict else outputs.to_tuple()
 
 
+def _flash(tower) -> bool:
+    """Whether the tower runs flash attention (split points on the device, no read: left as is)."""
+    return "flash" in str(getattr(tower.config, "_attn_implementation", ""))
+
+
+_WINDOWS = "hputrain_window_ids"
+_WINDOW_LAYERS = "hputrain_window_seqlens"
+
+
 def _grid_inputs(tower, patches: int, images: int, grid_thw: torch.Tensor) -> dict:
-    """The keyword inputs Qwen2.5-VL's tower takes precomputed (transformers/vision_utils.py):
-    each patch's (row, column) in its image, in merge-block order ("position_ids"); the merged
-    tokens in window order ("window_index"); the images' and windows' split points
-    ("cu_seqlens", "cu_window_seqlens"). `images` images of `patches // images` patches each, one
-    frame each, their merged grids whole windows."""
+    """The keyword inputs Qwen2.5-VL's tower takes precomputed (transformers/vision_utils.py), for
+    `images` images of `patches // images` patches each (one frame each):
+    - "position_ids": each patch's (row, column) in its image, in merge-block order, computed
+      elementwise from each image's grid;
+    - "window_index": the identity (the merged tokens stay in image order: `_window_attention`
+      keeps each window to itself by a mask, wherever its tokens are);
+    - "cu_seqlens": the images' split points, on the host (they follow from the shapes);
+    - "cu_window_seqlens": a host tensor `_window_attention` tells the windowed layers by, with
+      which patches share a window beside it ([images, 1, patches, patches], on the device)."""
     merge = tower.spatial_merge_size
     unit = merge * merge
     per_image = patches // images
     device = grid_thw.device
-
-    def each(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For `count` items per image: each item's index in its image, its image's grid
-        height and width (in patches)."""
-        grid = grid_thw[:, None, :].expand(images, count, 3).reshape(images * count, 3)
-        return torch.arange(count, device=device).repeat(images), grid[:, 1], grid[:, 2]
-
-    local, height, width = each(per_image)
+    grid = grid_thw[:, None, :].expand(images, per_image, 3).reshape(patches, 3)
+    width = grid[:, 2]
+    local = torch.arange(per_image, device=device).repeat(images)
     block, inside = local // unit, local % unit
     rows = (block // (width // merge)) * merge + inside // merge
     columns = (block % (width // merge)) * merge + inside % merge
-
     side = tower.window_size // merge // tower.patch_size  # a window's side, in merged tokens
-    merged = per_image // unit
-    local, height, width = each(merged)
-    height, width = height // merge, width // merge
-    window, inside = local // (side * side), local % (side * side)
-    row = (window // (width // side)) * side + inside // side
-    column = (window % (width // side)) * side + inside % side
-    start = torch.arange(images * merged, device=device) // merged * merged
-
-    flash = "flash" in str(getattr(tower.config, "_attn_implementation", ""))
-    at = device if flash else "cpu"  # sdpa and eager split by them on the host: keep them there
-    inputs = {"position_ids": torch.stack([rows, columns], dim=-1),
-              "window_index": start + row * width + column,
-              "cu_seqlens": torch.arange(0, patches + 1, per_image, dtype=torch.int32, device=at),
-              "cu_window_seqlens": torch.arange(0, patches + 1, side * side * unit,
-                                                dtype=torch.int32, device=at)}
-    if flash:
-        inputs |= {"max_seqlen": per_image, "max_window_seqlen": side * side * unit}
-    return inputs
+    across = (width // merge + side - 1) // side  # windows in a row (the last one may be partial)
+    windows = (rows // merge // side) * across + columns // merge // side
+    windows = windows.reshape(images, per_image)
+    cu_seqlens = torch.arange(0, patches + 1, per_image, dtype=torch.int32)
+    window_layers = cu_seqlens.clone()
+    return {"position_ids": torch.stack([rows, columns], dim=-1),
+            "window_index": torch.arange(patches // unit, device=device),
+            "cu_seqlens": cu_seqlens, "cu_window_seqlens": window_layers, _WINDOW_LAYERS: window_layers,
+            _WINDOWS: (windows[:, :, None] == windows[:, None, :])[:, None]}
 
 
-for _swapped in (_image_only, _with_video, _static_image_features):
+def _window_attention(tower) -> None:
+    """Swaps `_static_attention` into the tower's attention modules, once."""
+    for module in tower.modules():
+        if hasattr(module, "qkv") and hasattr(module, "proj") and not getattr(module.forward, _MARK, False):
+            module.forward = types.MethodType(_static_attention, module)
+
+
+def _static_attention(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+    """Qwen2.5-VL's vision attention over images of equal patch counts in one call of static
+    shape: [images, heads, patches, head_dim], each image attending to itself (full-attention
+    layers) or each window to itself (windowed layers: a mask by the patches' window ids), where
+    transformers splits the patches per image or per window by `cu_seqlens.tolist()`. The same
+    attention, up to float rounding. Without the precomputed window ids, transformers' own."""
+    windows = kwargs.pop(_WINDOWS, None)  # [images, 1, patches, patches]: True within a window
+    window_layers = kwargs.pop(_WINDOW_LAYERS, None)
+    if windows is None:
+        return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+    modeling = sys.modules[type(self).__module__]
+    images, per_image = windows.shape[0], windows.shape[-1]
+    length = hidden_states.shape[0]
+    query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    query, key = modeling.apply_rotary_pos_emb_vision(query, key, cos, sin)
+    query, key, value = (t.reshape(images, per_image, self.num_heads, -1).transpose(1, 2)
+                         for t in (query, key, value))
+    mask = None
+    if cu_seqlens is window_layers:
+        mask = torch.zeros(windows.shape, dtype=query.dtype, device=query.device).masked_fill(
+            windows.eq(False), torch.finfo(query.dtype).min)
+    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, modeling.eager_attention_forward)
+    output, _ = attention(self, query, key, value, attention_mask=mask, scaling=self.scaling,
+                          dropout=0.0 if not self.training else self.attention_dropout, is_causal=False)
+    return self.proj(output.reshape(length, -1).contiguous())
+
+
+for _swapped in (_image_only, _with_video, _static_image_features, _static_attention):
     setattr(_swapped, _MARK, True)
