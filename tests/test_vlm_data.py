@@ -187,6 +187,22 @@ def test_save_to_disk_images_give_the_same_examples(processing, image_data, tmp_
                                               made.pixels(ref_b, bucket)["pixel_values"].numpy())
 
 
+def test_worker_processes_give_the_same_examples_in_order(processing, tmp_path):
+    """--dataset-num-proc: rows encoded by two forked processes, a part of rows each, come back
+    the same and in row order."""
+    from .vlm_fixtures import write_image_dataset
+
+    path = write_image_dataset(tmp_path, "messages", rows=150)
+    rows = list(split_rows(str(path), "train", hf_data.records, hf_data.source_files))
+    made = processing("gemma3")
+    one, stats = encode_split(rows, "messages", made, OPTIONS, workers=1)
+    two, again = encode_split(rows, "messages", made, OPTIONS, workers=2)
+    assert stats == again and stats.rows == 150 and len(one) == len(two) == stats.examples
+    for a, b in zip(one, two):
+        assert (a.input_ids.tolist(), a.labels.tolist(), a.images, a.buckets, a.where) \
+            == (b.input_ids.tolist(), b.labels.tolist(), b.images, b.buckets, b.where)
+
+
 def test_blank_is_the_image_processors_black_image(processing):
     from PIL import Image
 
