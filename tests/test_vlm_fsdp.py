@@ -185,3 +185,23 @@ def test_two_ranks_train_as_one_process_loaded_shard_by_shard(tmp_path, vlm_fold
     assert losses(resumed) == pytest.approx(losses(tmp_path / "full")[-1:], abs=1e-6)
     assert_close_states(torch.load(tmp_path / "full" / "weights.pt"), torch.load(resumed / "weights.pt"),
                         tol=1e-6)
+
+
+@pytest.mark.slow
+def test_gemma3_on_two_ranks_trains_packed_blocks_as_one_process(tmp_path, vlm_folders, image_data):
+    """Gemma 3 (its tied embedding and head in the root unit, each image's tokens attending both
+    ways): full fine-tuning with activation checkpointing on packed blocks, 2 ranks of batch 1 as
+    one process of batch 2 without checkpointing, loaded shard by shard as from_pretrained."""
+    folder, data = vlm_folders("gemma3"), image_data("messages")
+    proc, _ = hputrain_launch("--cpu", "--nproc-per-node", "2", SCRIPT, str(folder),
+                              f"{tmp_path / 'two'},full,checkpointing,blocks={data}", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script.run(folder, tmp_path / "one", "full", f"blocks={data}", batch=2)
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    assert_close_states(torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "two" / "weights.pt"),
+                        tol=1e-5)
+    initial, loaded = torch.load(tmp_path / "one" / "initial.pt"), torch.load(tmp_path / "two" / "initial.pt")
+    assert initial.keys() == loaded.keys() and all(torch.equal(loaded[k], v) for k, v in initial.items())
+    units = json.loads((tmp_path / "two" / "layout.json").read_text())["units"]
+    assert sum(".vision_tower." in u for u in units) == 2 and sum(".language_model.layers." in u for u in units) == 2
+    assert not any("embed" in u or "lm_head" in u for u in units), units  # tied: in the root

@@ -10,7 +10,7 @@ projector trained) or `tower` (everything trained, the vision tower too). FLAGs:
 (a sharded checkpoint every 2 steps), `from=DIR` (resume from DIR, another run's checkpoint),
 `blocks=DATA` (train on the packed blocks of the image data set DATA, TRL's `messages` rows,
 made by data.vision.load_image_data and batched by its ImageCollator, in place of the
-hand-built batches).
+hand-built batches), `bf16` (bf16=True).
 
 Under fsdp across processes the model is built on the meta device and each rank reads its own
 shards of the folder (hf_vision.load_vision(sharded=True): recipes/hf_sharded.py meta_model
@@ -148,7 +148,7 @@ def run(folder, output_dir, choice: str, *flags: str, strategy: str | None = Non
                              save_steps=2 if "save2" in flags else -1, disable_tqdm=True,
                              throughput_warmup_steps=0, seed=0, accelerator="cpu", strategy=strategy,
                              ddp_timeout=60, report_to="none",
-                             gradient_checkpointing="checkpointing" in flags)
+                             gradient_checkpointing="checkpointing" in flags, bf16="bf16" in flags)
     data = next((flag.removeprefix("blocks=") for flag in flags if flag.startswith("blocks=")), None)
     if data:  # the collator makes exactly the model's inputs (from image_count too), as the recipe
         args = dataclasses.replace(args, remove_unused_columns=False)
