@@ -239,6 +239,7 @@ def image_row(images, parts: int | None = None, answer: str = "red") -> dict:
     (image_row(["images/broken.png"]), r"line 2: image .*broken.png cannot be read"),
     (image_row(["images/red.png"], parts=2), r"line 2: the messages hold 2 image placeholder\(s\) .* and the row has 1 image"),
     (image_row("images/red.png", parts=1), r"line 2: 'images' is str, not a list of images"),
+    (image_row(["https://example.com/cat.png"]), r"line 2: image https://example.com/cat.png is a URL"),
     ({"messages": [{"role": "robot", "content": "hi"}], "images": []}, r"line 2: message 0 in 'messages' has role 'robot'"),
     (image_row(["images/red.png"], answer="an <image> tag"),
      r"line 2: the rendered conversation holds 2 image placeholder\(s\) '<image>' for 1 image\(s\)"),
@@ -247,6 +248,20 @@ def test_a_bad_row_is_one_line_naming_it(processing, tmp_path, bad, match):
     path = write_rows(tmp_path, [image_row(["images/red.png"]), bad])
     with pytest.raises(InputError, match=f"^--dataset {path} {match}"):
         encode(path, processing("llava"))
+
+
+def test_transparency_is_composited_as_the_processor_does(processing, tmp_path):
+    """An image with transparency gives the processor's pixel values (its transparent pixels
+    white, not their hidden colour, which a plain RGB conversion would keep)."""
+    from PIL import Image
+
+    made = processing("llava")
+    rgba = np.zeros((30, 40, 4), dtype=np.uint8)
+    rgba[..., 0], rgba[:, :20, 3] = 200, 255  # red, its right half transparent
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    reference = made.image_processor(images=[Image.open(tmp_path / "a.png")], return_tensors="np")
+    np.testing.assert_array_equal(made.pixels(str(tmp_path / "a.png"), 0)["pixel_values"].numpy(),
+                                  reference["pixel_values"][0])
 
 
 def test_string_contents_get_the_images_before_the_first_user_text(processing, tmp_path):

@@ -193,6 +193,9 @@ def image_ref(value, folder: Path | None, where: str) -> ImageRef:
         value = path
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
+    if isinstance(value, str) and value.split("://")[0].lower() in ("http", "https"):
+        raise InputError(f"{where}: image {value} is a URL: images are read from files, so download "
+                         "it and give its path relative to the data file")
     if isinstance(value, str):
         path = Path(value).expanduser()
         if not path.is_absolute() and folder is not None:
@@ -225,13 +228,15 @@ def image_size(ref: ImageRef, where: str) -> tuple[int, int]:
 
 
 def open_image(ref: ImageRef, where: str | None = None):
-    """The image as an RGB PIL image, loaded (an unreadable image is one line naming it)."""
+    """The image as an RGB PIL image, transparency composited onto white as transformers' image
+    processors do it (an unreadable image is one line naming it)."""
     from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
 
     try:
         with Image.open(_source(ref)) as image:
             image.load()
-            return image.convert("RGB")
+            return Image.fromarray(convert_to_rgb(image, return_numpy=True))
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         at = f"{where}: " if where else ""
         raise InputError(f"{at}image {describe(ref)} cannot be read: {_reason(error)}") from None
