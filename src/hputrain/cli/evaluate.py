@@ -52,6 +52,10 @@ def add_evaluate_parser(sub) -> None:
                    default=0.0, help="preference pairs: as hputrain train takes it")
     p.add_argument("--max-prompt-length", "--max_prompt_length", dest="max_prompt_length",
                    type=int, help="preference pairs: as hputrain train takes it")
+    p.add_argument("--image-buckets", "--image_buckets", dest="image_buckets", nargs="+", metavar="WxH",
+                   help="image data: the pixel buckets, as hputrain train takes them")
+    p.add_argument("--image-slots", "--image_slots", dest="image_slots", type=int,
+                   help="image data: images per block, as hputrain train takes it")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=8,
                    help="blocks or rows per forward (default: 8)")
     p.add_argument("--precision", help="fp32 (default), bf16 or auto; decides over --bf16")
@@ -73,10 +77,15 @@ def cmd_evaluate(args) -> int:
                         ref_model=args.ref_model, base_model=args.base_model,
                         beta=args.beta, loss_type=args.loss_type,
                         label_smoothing=args.label_smoothing,
-                        max_prompt_length=args.max_prompt_length)  # a bad value: one line
+                        max_prompt_length=args.max_prompt_length, image_buckets=args.image_buckets,
+                        image_slots=args.image_slots)  # a bad value: one line
     # train's rule: --precision, when given, decides; else --bf16 / --no-bf16; else fp32
     precision = args.precision or ("bf16-mixed" if args.bf16 else "fp32")
     result = evaluate(options, batch_size=args.batch_size, precision=precision)
+    if "images" in result:  # image data: what the blocks hold
+        print(f"hputrain: {result['examples']} examples with {result['images']} images, "
+              f"{result['image_slots']} image slots a block, {result['examples_cut']} cut to "
+              f"--block-size {result['block_size']}", file=sys.stderr)
     if result.get("examples_cut"):
         print(cut_note(result), file=sys.stderr)
     if args.json:

@@ -31,6 +31,12 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
         return evaluate_pairs(method_options(options, "dpo"), batch_size=batch_size,
                               precision=precision)
     folder = model_folder(options.model, base_model=options.base_model)
+    from .hf_vision import vision_config
+
+    if vision_config(folder, options.base_model) is not None:  # image-text-to-text (hf_vision_run.py)
+        from .hf_vision_run import evaluate_vision
+
+        return evaluate_vision(options, folder, batch_size=batch_size, precision=precision)
     model, tokenizer = load_model(folder, base_model=options.base_model)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     options.validation_split_percentage = 0  # the whole data set is evaluated

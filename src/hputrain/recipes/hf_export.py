@@ -4,7 +4,8 @@ merged into its base model (PEFT's merge_and_unload) and written as save_pretrai
 folder. It is written in the dtype the base's config.json names (merged in float32 first), into
 a temporary folder renamed into place (checkpoint/export.py's save_model). The adapters of a
 sequence classifier (a LoRA reward model, task_type SEQ_CLS) merge into a sequence classifier
-that keeps their trained score head (checkpoint/model_folders.py)."""
+that keeps their trained score head (checkpoint/model_folders.py); an image-text-to-text model's
+into its AutoModelForImageTextToText class, written with its processor (recipes/hf_vision.py)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from ..checkpoint.export import save_model
 from ..checkpoint.model_folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ..errors import InputError
 from .hf import load_model, model_folder
+from .hf_vision import load_vision, saver, vision_config
 
 
 def export_merged(adapter: str, output: str, base_model: str | None = None) -> Path:
@@ -28,8 +30,12 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     target = Path(output).expanduser()
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
-    merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True,
-                                   task=None)  # its own task: a classifier keeps its head
+    if vision_config(folder, base_model) is not None:  # image-text-to-text: its processor too
+        merged, processing = load_vision(folder, "--merge", base_model=base_model, merge=True)
+        tokenizer = saver(processing)
+    else:
+        merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True,
+                                       task=None)  # its own task: a classifier keeps its head
     dtype = _stored_dtype(base)
     if dtype is not None:  # loaded in float32 to merge; written as the base is stored
         merged = merged.to(dtype)

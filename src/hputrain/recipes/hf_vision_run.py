@@ -20,8 +20,8 @@ from pathlib import Path
 from ..errors import InputError
 from .hf_vision import load_vision, prepare_parts, processor_words, saver
 
-UNSUPPORTED = {"dpo": "DPO", "grpo": "GRPO", "reward": "reward models"}
-"""Methods that do not take image data yet."""
+UNSUPPORTED = {"dpo": "DPO", "grpo": "GRPO", "reward": "a reward model"}
+"""Methods that do not take an image-text-to-text model yet."""
 
 
 def image_format(options) -> str:
@@ -32,12 +32,19 @@ def image_format(options) -> str:
     from ..data.vision.rows import detect_image_format
     from .hf_data import columns_of
 
+    from ..data.preference import is_preference
+    from .hf_methods import is_prompts
+
+    columns = columns_of(options.dataset)
     method = options.method
+    if method == "auto" and is_preference(columns or []):
+        method = "dpo"
+    elif method == "auto" and is_prompts(columns or []) and options.reward_funcs:
+        method = "grpo"
     if method in UNSUPPORTED:
-        raise InputError(f"--method {method}: {UNSUPPORTED[method]} on an image-text-to-text model "
+        raise InputError(f"{UNSUPPORTED[method]} (--method {method}) on an image-text-to-text model "
                          f"(--model {options.model}) is not supported yet: train it with SFT "
                          "(--method sft or auto) on image rows")
-    columns = columns_of(options.dataset)
     fmt = detect_image_format(columns) if columns else None
     if fmt is not None:
         return fmt

@@ -1,0 +1,293 @@
+"""Issue 41: `hputrain train` and `hputrain evaluate` with an image-text-to-text folder
+(recipes/hf_vision_run.py), in-process through `hputrain.cli.main`, on the tiny LLaVA, Gemma 3
+and Qwen2.5-VL folders and image data of tests/vlm_fixtures.py.
+
+The reference numbers are transformers' own: each example alone through the model's forward
+(input ids from the data path, asserted equal to the processor's where the folder has one; pixel
+values from the folder's image processor; Gemma 3's token_type_ids as its processor makes them;
+Qwen2.5-VL's positions from its own get_rope_index), its loss weighted by its learned tokens."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from .vlm_fixtures import FAMILIES, image_rows, vlm_folders, image_data, write_image_dataset  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+from hputrain.cli import main  # noqa: E402
+from hputrain.data.vision.encode import encode_row  # noqa: E402
+from hputrain.data.vision.rows import open_image, split_rows  # noqa: E402
+from hputrain.recipes import hf_data  # noqa: E402
+from hputrain.recipes.hf_vision import load_vision  # noqa: E402
+
+SMALL = ["--block-size", "128", "--per-device-train-batch-size", "2", "--logging-steps", "1",
+         "--disable-tqdm", "--precision", "32"]
+TOWER = {"llava": "model.vision_tower.", "gemma3": "model.vision_tower.", "qwen2_5_vl": "model.visual."}
+PROJECTOR = {"llava": "model.multi_modal_projector.", "gemma3": "model.multi_modal_projector.",
+             "qwen2_5_vl": "model.visual.merger."}
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu(monkeypatch):
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+
+
+def train(out, model, dataset, *argv) -> int:
+    return main(["train", "--model", str(model), "--dataset", str(dataset), "--output-dir", str(out),
+                 *SMALL, *argv])
+
+
+def evaluate(model, dataset, *argv) -> dict:
+    from hputrain.cli import main as cli
+
+    return cli(["evaluate", "--model", str(model), "--dataset", str(dataset), "--json", *argv])
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def model_inputs(processing, example, size: int) -> dict:
+    """transformers' inputs for one encoded example cut to `size` tokens: its ids, the image
+    processor's pixel values of its images (each in its bucket), Gemma 3's token types."""
+    ids = torch.as_tensor(example.input_ids[:size], dtype=torch.long)[None]
+    inputs = {"input_ids": ids}
+    images = [processing.buckets.resize(open_image(ref), bucket)
+              for ref, bucket in zip(example.images, example.buckets)]
+    if images:
+        inputs |= dict(processing.image_processor(images=images, return_tensors="pt"))
+    if processing.family.bidirectional_images:
+        inputs["token_type_ids"] = (ids == processing.image_token_id).long()
+    return inputs
+
+
+def reference_loss(folder: Path, data: Path, block_size: int, fmt: str = "messages",
+                   model=None) -> tuple[float, int, int]:
+    """(the token-weighted mean of transformers' per-example loss, the learned tokens, the examples
+    longer than the block) over every row of `data`, each example cut to `block_size` tokens."""
+    loaded, processing = load_vision(folder)
+    model = (model or loaded).eval()
+    total, count, cut = 0.0, 0, 0
+    for where, row, base in split_rows(str(data), "train", hf_data.records, hf_data.source_files):
+        example = encode_row(row, fmt, processing, where, base)
+        labels = torch.as_tensor(example.labels[:block_size], dtype=torch.long)
+        learned = int((labels[1:] != -100).sum())
+        cut += len(example.input_ids) > block_size
+        if processing.processor is not None and len(example.input_ids) <= block_size:
+            # the ids are the processor's own for the rendered conversation and its images
+            text = processing.tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            made = processing.processor(text=text, images=[open_image(r) for r in example.images] or None,
+                                        return_tensors="pt")
+            assert made["input_ids"][0].tolist() == example.input_ids.tolist()
+        if not learned:
+            continue
+        with torch.no_grad():
+            loss = model(**model_inputs(processing, example, block_size), labels=labels[None]).loss
+        total, count = total + float(loss) * learned, count + learned
+    return total / count, count, cut
+
+
+# -- evaluate ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_evaluate_equals_transformers_per_example_loss(vlm_folders, image_data, family, packing, capsys):  # noqa: F811
+    folder, data = vlm_folders(family), image_data("messages")
+    argv = ["--block-size", "96"] + ([] if packing else ["--no-packing"])
+    assert evaluate(folder, data, *argv) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    loss, tokens, cut = reference_loss(folder, data, 96)
+    assert result["eval_loss"] == pytest.approx(loss, abs=1e-5)
+    assert result["eval_tokens"] == tokens and result["examples_cut"] == cut > 0
+    assert f"{cut} cut to --block-size 96" in err and f"{cut} examples were longer" in err
+
+
+def test_chat_rows_without_images_train_the_language_model_through_the_same_path(
+        vlm_folders, tmp_path, capsys):  # noqa: F811
+    """Text chat rows with an image-text-to-text folder: image rows with no image (the decision:
+    the language model learns them through the same blocks and forward)."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": "an answer " * (1 + i % 3)}]} for i in range(10)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = vlm_folders("qwen2_5_vl")
+    assert evaluate(folder, data) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loss, tokens, _ = reference_loss(folder, data, 1024)
+    assert result["eval_loss"] == pytest.approx(loss, abs=1e-5) and result["eval_tokens"] == tokens
+    assert result["images"] == 0
+
+
+# -- train: full fine-tuning, final/ --------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_fine_tuning_writes_a_final_folder_transformers_loads(vlm_folders, image_data, family,
+                                                                  tmp_path, capsys):  # noqa: F811
+    folder, out = vlm_folders(family), tmp_path / "run"
+    assert train(out, folder, image_data("messages"), "--max-steps", "2", "--learning-rate", "1e-3") == 0
+    stdout = capsys.readouterr().out
+    name = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_5_vl": "Qwen2.5-VL"}[family]
+    assert f"(image-text-to-text: {name})" in stdout
+    assert re.search(r"images: 1? ?\d* ?pixel buckets? \(.*\) of \d+ image tokens each, \d+ slots? a block, "
+                     r"\d+ images?, [\d.]+% of the slots padding", stdout)
+    final = out / "final"
+    assert f'AutoModelForImageTextToText.from_pretrained("{final}")' in stdout
+    trained = transformers.AutoModelForImageTextToText.from_pretrained(final)
+    start = transformers.AutoModelForImageTextToText.from_pretrained(folder)
+    before = dict(start.named_parameters())
+    changed = {n for n, p in trained.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and not any(n.startswith(TOWER[family]) and not n.startswith(PROJECTOR[family])
+                               for n in changed)  # the tower is frozen by default
+    assert any(n.startswith(PROJECTOR[family]) for n in changed)  # the projector trains
+    assert any(n.startswith("model.language_model.") for n in changed)
+    _same_processing(folder, final, family)
+
+
+def _same_processing(folder: Path, final: Path, family: str) -> None:
+    """final/'s processor (or tokenizer + image processor) encodes a conversation with an image
+    as the model folder's does (the chat template and image processor kept)."""
+    from PIL import Image
+
+    image = Image.new("RGB", (40, 30), (10, 200, 30))
+    messages = image_rows(1, ["x.png"])[0]["messages"]
+    made = []
+    for source in (folder, final):
+        if family == "qwen2_5_vl":  # no processor class here (torchvision): its two parts
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+            pixels = transformers.AutoImageProcessor.from_pretrained(source)(images=[image], return_tensors="pt")
+            made.append((tokenizer.apply_chat_template(messages, tokenize=False), pixels["pixel_values"]))
+        else:
+            processor = transformers.AutoProcessor.from_pretrained(source)
+            text = processor.apply_chat_template(messages, tokenize=False)
+            encoded = processor(text=text, images=[image], return_tensors="pt")
+            made.append((encoded["input_ids"].tolist(), encoded["pixel_values"]))
+    assert made[0][0] == made[1][0] and torch.equal(made[0][1], made[1][1])
+
+
+# -- train: LoRA, PEFT, export --merge -------------------------------------------------------------
+
+def _image_example(folder: Path, scratch: Path):
+    """One image example's transformers inputs (the data path's encoding of the first row)."""
+    _, processing = load_vision(folder)
+    data = write_image_dataset(scratch / "one", rows=2)
+    where, row, base = next(split_rows(str(data), "train", hf_data.records, hf_data.source_files))
+    return model_inputs(processing, encode_row(row, "messages", processing, where, base), 10_000)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_final_loads_in_peft_and_export_merge_gives_its_logits(vlm_folders, image_data, family,
+                                                                   tmp_path, capsys):  # noqa: F811
+    peft = pytest.importorskip("peft")
+    folder, out = vlm_folders(family), tmp_path / "run"
+    assert train(out, folder, image_data("messages"), "--max-steps", "2", "--lora-r", "4",
+                 "--learning-rate", "1e-2", "--train-projector") == 0
+    assert "export --merge" in capsys.readouterr().out
+    final = out / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert re.fullmatch(config["target_modules"], "model.language_model.layers.0.self_attn.q_proj")
+    assert not re.fullmatch(config["target_modules"], TOWER[family] + "blocks.0.attn.qkv")
+    base = transformers.AutoModelForImageTextToText.from_pretrained(folder).eval()
+    inputs = _image_example(folder, tmp_path)
+    with torch.no_grad():
+        plain = base(**inputs).logits
+        tuned = peft.PeftModel.from_pretrained(base, final).eval()(**inputs).logits
+    assert (tuned - plain).abs().max() > 1e-3  # the adapters (and the projector) moved
+    assert main(["export", "--merge", str(final), "--output", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(**inputs).logits, tuned, atol=1e-5, rtol=0)
+    _same_processing(folder, tmp_path / "merged", family)
+
+
+# -- resume, validation, bf16, refusals ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_resume_after_a_stop_continues_as_one_run(vlm_folders, image_data, tmp_path):  # noqa: F811
+    folder, data = vlm_folders("llava"), image_data("messages")
+    flags = ["--learning-rate", "1e-3", "--lr-scheduler-type", "constant", "--warmup-steps", "0",
+             "--save-steps", "4", "--lora-r", "4", "--train-projector"]
+    assert train(tmp_path / "straight", folder, data, "--max-steps", "8", *flags) == 0
+    assert train(tmp_path / "resumed", folder, data, "--max-steps", "4", *flags) == 0
+    assert train(tmp_path / "resumed", folder, data, "--max-steps", "8", *flags,
+                 "--resume-from-checkpoint", "latest") == 0
+    from safetensors.torch import load_file
+
+    one, two = (load_file(tmp_path / run / "final" / "adapter_model.safetensors")
+                for run in ("straight", "resumed"))
+    assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+    losses = [[r["loss"] for r in records(tmp_path / run) if "loss" in r and r["step"] > 4]
+              for run in ("straight", "resumed")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5) and len(losses[0]) == 4
+
+
+def test_validation_at_eval_steps_is_the_held_out_examples_loss(vlm_folders, tmp_path):  # noqa: F811
+    folder = vlm_folders("gemma3")
+    data = write_image_dataset(tmp_path / "data", rows=20)
+    held = data.parent / "held.jsonl"  # the last 5% of 20 rows: the last one
+    held.write_text(data.read_text().splitlines()[-1] + "\n")
+    out = tmp_path / "run"
+    assert train(out, folder, data, "--max-steps", "4", "--eval-steps", "2", "--learning-rate", "1e-3") == 0
+    evals = [r for r in records(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals][:2] == [2, 4] and evals[0]["eval_loss"] != evals[1]["eval_loss"]
+    loss, _, _ = reference_loss(out / "final", held, 128)
+    assert evals[-1]["eval_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_bf16_trains_near_the_fp32_losses(vlm_folders, image_data, tmp_path):  # noqa: F811
+    folder, data = vlm_folders("llava"), image_data("messages")
+    runs = {}
+    for precision in ("32", "bf16"):
+        out = tmp_path / precision
+        assert train(out, folder, data, "--max-steps", "3", "--learning-rate", "1e-3",
+                     "--precision", precision) == 0
+        runs[precision] = [r["loss"] for r in records(out) if "loss" in r]
+    assert runs["bf16"] != runs["32"]  # bf16 did run in bf16
+    assert runs["bf16"] == pytest.approx(runs["32"], rel=2e-2)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("case, words", [
+    ("dpo", "DPO (--method dpo) on an image-text-to-text model"),
+    ("reward", "a reward model (--method reward) on an image-text-to-text model"),
+    ("grpo", "GRPO (--method grpo) on an image-text-to-text model"),
+    ("text", "is not image data, and --model"),
+    ("streaming", "--streaming reads text shards"),
+])
+def test_what_the_image_path_does_not_take_is_one_line(vlm_folders, image_data, tmp_path, capsys,
+                                                       case, words):  # noqa: F811
+    data, argv = image_data("messages"), []
+    if case == "dpo":
+        data = _write(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 4)
+    elif case == "reward":
+        argv = ["--method", "reward"]
+    elif case == "grpo":
+        data = _write(tmp_path / "prompts.jsonl", [{"prompt": "a"}] * 4)
+        argv = ["--method", "grpo", "--reward-funcs", str(tmp_path / "r.py") + ":f"]
+        (tmp_path / "r.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    elif case == "text":
+        data = tmp_path / "plain.txt"
+        data.write_text("plain text " * 100)
+    elif case == "streaming":
+        argv = ["--streaming", "--max-steps", "2"]
+    assert train(tmp_path / "run", vlm_folders("llava"), data, "--max-steps", "1", *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_an_uncovered_image_text_to_text_type_is_one_line(tmp_path, image_data, capsys):  # noqa: F811
+    folder = tmp_path / "other"
+    transformers.PaliGemmaConfig().save_pretrained(folder)  # covered nowhere: refused before loading
+    assert train(tmp_path / "run", folder, image_data("messages"), "--max-steps", "1") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "paligemma" in err[0] and "--model" in err[0]
