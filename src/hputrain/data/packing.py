@@ -92,13 +92,14 @@ def truncate(examples: list[dict], max_length: int) -> tuple[list[dict], Packing
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int, counts: list[int] | None = None,
-                        slots: int = 0) -> list[list[int]]:
+                        slots: int = 0, order: list[int] | None = None) -> list[list[int]]:
     """Bins of indices into `lengths`, each bin's lengths summing to at most `capacity`: longest
     first, each into the open bin it fills the most (among equals, the one that has had that room
     longest), or else a new bin.
     With `counts` (each item's images), a bin also holds items of at most `slots` counts in all:
     an item goes into the open bin it fills the most among those with the slots it needs (among
-    equal rooms, the one with the fewest slots left).
+    equal rooms, the one with the fewest slots left). `order`: the order in which the items are
+    placed, instead of longest first.
     Bins come in the order they were opened, their indices in the order they were placed."""
     if any(n < 1 or n > capacity for n in lengths):
         raise ValueError(f"every length must be between 1 and the capacity {capacity}")
@@ -106,7 +107,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int, counts: list[int] | N
         counts = [0] * len(lengths)
     elif len(counts) != len(lengths) or any(c < 0 or c > slots for c in counts):
         raise ValueError(f"every count must be between 0 and the slots {slots}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order is None:
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
     free: list[int] = []

