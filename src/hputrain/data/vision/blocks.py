@@ -14,7 +14,9 @@ A block (one item of `ImageBlocks`) is a dict of tensors:
   image_count    []        the real images; the slots after them hold a blank image
 
 `pack_images` puts whole examples into blocks by best-fit decreasing on tokens with at most K
-images a block (packing.best_fit_decreasing); `unpacked_images` gives one example a block, padded
+images a block (`fill_slots`: packing.best_fit_decreasing in the better of two orders); an
+example longer than S is cut after its last image (`cut_examples`, counted as text SFT counts
+its cuts); `unpacked_images` gives one example a block, padded
 to the smallest of a few lengths. Both hold only the plan: a block, its pixel values included, is
 made when it is read (in the DataLoader's workers). `ImageCollator` stacks blocks into a batch
 whose image slots are ordered real images first (see its docstring).
