@@ -99,7 +99,8 @@ class Family:
         """A padding slot: a blank image of the first bucket, processed."""
         picture = Image.new("RGB", SIZES[self.family][0][::-1])
         if self.processor is not None:
-            return {"pixel_values": self.processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]}
+            processed = self.processor.image_processor(images=[picture], return_tensors="pt")
+            return {"pixel_values": processed["pixel_values"]}
         return dict(self.image_processor(images=[picture], return_tensors="pt"))
 
 

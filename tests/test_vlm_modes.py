@@ -7,21 +7,24 @@ step's graph fixed."""
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from hputrain import Callback, Trainer, TrainingArguments
 from hputrain.accelerators.cpu_lazy import HostReads
+from hputrain.rehearsal import doctor
 
 from .hf_fixtures import lazy_rehearses_hf_models
-from .test_moe_modes import DynamoGraphs
+from .test_moe_modes import DynamoGraphs, lazy
 from .test_vlm_forward import TEXTS, Family, block, collate, images
-from .vlm_fixtures import FAMILIES, vlm_folders  # noqa: F401
+from .vlm_fixtures import FAMILIES, image_data, vlm_folders  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, WARMUP, BATCH = 6, 2, 2
+SCRIPT = Path(__file__).parent / "doctor_scripts" / "vlm.py"
 PAIRS = [(1, 0), (0, 2), (1, 1), (0, 0), (2, 0), (0, 1), (1, 0), (0, 0), (1, 1), (0, 2), (2, 0), (0, 1)]
 """Images of the two examples of each block: 0 to 2 a block, at places that change every step."""
 
@@ -99,3 +102,49 @@ def test_compile_mode_compiles_nothing_after_warmup(family, vlm_folders, tmp_pat
     graphs = DynamoGraphs()
     train(family, vlm_folders(family), tmp_path, "compile", [graphs])
     assert sum(graphs.per_step[:WARMUP]) > 0 and graphs.per_step[WARMUP:] == [0] * (STEPS - WARMUP)
+
+
+@lazy_rehearses_hf_models
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen2_5_vl" else pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_doctor_finds_nothing_in_packed_image_blocks(family, vlm_folders, image_data, tmp_path,  # noqa: F811
+                                                     monkeypatch):
+    """`hputrain doctor --steps 6 vlm.py FOLDER DATA`: the image data path's blocks (buckets,
+    slots, the real-first collator) through the Trainer: no recompilation after warm-up and no
+    host read; eager ops, if any, are the CPU lazy backend's own."""
+    folder = as_published(family, vlm_folders(family), tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")  # run() sets it; put back afterwards
+    report = doctor.run(str(SCRIPT), [str(folder), str(image_data("messages"))], steps=STEPS, warmup=WARMUP)
+    assert [f for f in report["findings"] if f["kind"] != "fallback"] == [], report["findings"]
+    assert report["compiles_per_step"][WARMUP:] == [0] * (STEPS - WARMUP)
+    assert report["host_syncs_per_step"] == [0] * STEPS
+
+
+# -- the CPU lazy backend's routes for the vision-language forward -----------------------------------
+
+def test_lazy_masked_scatter_and_indexing_by_rows():
+    """masked_scatter (the image merge) and `tensor[index, :, :]` (Qwen's window order) on the lazy
+    device equal eager, gradients included: a source longer than the mask needs (padding image
+    slots) leaves its tail unread."""
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, 5, 3, generator=g, requires_grad=True)
+    features = torch.randn(6, 3, generator=g, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)[..., None]
+
+    def merged(e, f, m):
+        return e.masked_scatter(m, f)
+
+    expected = merged(embeds, features, mask)
+    (grad_e, grad_f) = torch.autograd.grad(expected.square().sum(), (embeds, features))
+    got = lazy(lambda e, f, m: merged(e, f, m), embeds, features, mask).cpu()
+    assert torch.equal(got, expected.detach())
+    e, f = (t.detach().requires_grad_() for t in (embeds, features))
+    out = lazy(lambda e_, f_, m: merged(e_, f_, m), e, f, mask)
+    out.square().sum().backward()
+    torch._lazy.mark_step()
+    assert torch.allclose(e.grad.cpu(), grad_e) and torch.allclose(f.grad.cpu(), grad_f)
+    assert f.grad[4:].abs().sum() == 0
+    hidden = torch.randn(4, 2, 3, generator=g)
+    order = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(lazy(lambda h, i: h[i, :, :], hidden, order).cpu(), hidden[order])

@@ -19,8 +19,9 @@ simple, so that what `hputrain doctor` reports is the user's, not the backend's:
   the graph (the mask inverted by `eq`, since logical_not falls back), a query with nothing to
   attend to giving zeros as torch's kernels do (not softmax's NaN).
 - indexing by integer tensors (`mask[batch_idx, kv_idx]`, as transformers builds its attention
-  masks) falls back; it is done here as an embedding lookup. Boolean indexing still falls back, as it
-  does on Gaudi (its result's shape depends on the data).
+  masks; `hidden[window_index, :, :]`, as Qwen-VL's vision tower orders its windows) falls back;
+  it is done here as an embedding lookup. Boolean indexing still falls back, as it does on Gaudi
+  (its result's shape depends on the data).
 - masked_scatter (how transformers' vision-language models put image features in place of image
   tokens) has no lazy kernel and cannot fall back (a view op inside it): it is done as a gather,
   each masked element taking the source element at its rank among the masked ones (a cumsum),
@@ -192,6 +193,8 @@ def _getitem(tensor, index):
     """`tensor[i, j, ...]` with integer tensors i, j, ... (broadcast against each other) as one
     row lookup in the indexed dimensions flattened; any other index as before."""
     indices = index if isinstance(index, tuple) else (index,)
+    while len(indices) > 1 and isinstance(indices[-1], slice) and indices[-1] == slice(None):
+        indices = indices[:-1]  # tensor[i, :, :] is tensor[i]
     integer = (torch.int8, torch.int16, torch.int32, torch.int64)  # uint8 and bool index as masks
     if len(indices) > tensor.dim() or not all(isinstance(i, torch.Tensor) and i.dtype in integer
                                               for i in indices):

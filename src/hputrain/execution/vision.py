@@ -138,12 +138,12 @@ def _grid_inputs(tower, patches: int, images: int, grid_thw: torch.Tensor) -> di
     grid = grid_thw[:, None, :].expand(images, per_image, 3).reshape(patches, 3)
     width = grid[:, 2]
     local = torch.arange(per_image, device=device).repeat(images)
-    block, inside = local // unit, local % unit
-    rows = (block // (width // merge)) * merge + inside // merge
-    columns = (block % (width // merge)) * merge + inside % merge
+    block, inside = _div(local, unit), local % unit
+    rows = _div(block, _div(width, merge)) * merge + _div(inside, merge)
+    columns = block % _div(width, merge) * merge + inside % merge
     side = tower.window_size // merge // tower.patch_size  # a window's side, in merged tokens
-    across = (width // merge + side - 1) // side  # windows in a row (the last one may be partial)
-    windows = (rows // merge // side) * across + columns // merge // side
+    across = _div(_div(width, merge) + side - 1, side)  # windows in a row (the last may be partial)
+    windows = _div(rows, merge * side) * across + _div(columns, merge * side)
     windows = windows.reshape(images, per_image)
     cu_seqlens = torch.arange(0, patches + 1, per_image, dtype=torch.int32)
     window_layers = cu_seqlens.clone()
@@ -151,6 +151,12 @@ def _grid_inputs(tower, patches: int, images: int, grid_thw: torch.Tensor) -> di
             "window_index": torch.arange(patches // unit, device=device),
             "cu_seqlens": cu_seqlens, "cu_window_seqlens": window_layers, _WINDOW_LAYERS: window_layers,
             _WINDOWS: (windows[:, :, None] == windows[:, None, :])[:, None]}
+
+
+def _div(a: torch.Tensor, b) -> torch.Tensor:
+    """a // b (non-negative integers) as torch.div: the CPU lazy backend runs floor_divide
+    eagerly, not div."""
+    return torch.div(a, b, rounding_mode="floor")
 
 
 def _window_attention(tower) -> None:
