@@ -53,6 +53,8 @@ def describe(result, name: str = "") -> str:
              f"{verdict}"]
     if getattr(result, "moe", None) is not None:
         lines.insert(1, f"  {result.moe.describe()}")
+    if getattr(result, "vision", None) is not None:
+        lines.insert(1, f"  {result.vision.describe()}")
     for category, value in result.breakdown.items():
         lines.append(f"    {category:<12} {gib(value):>14}")
     for suggestion in result.suggestions:

@@ -42,6 +42,10 @@ def planned_step(flags: dict, target: str | None = None):
     if args.precision == "auto" and target is not None:  # the planned device's, not this one's
         args = dataclasses.replace(args, precision="bf16-mixed" if target_runs_bf16(target) else "fp32")
     step = StepModel(**recipe.step_model(options))
+    if step.vision is not None:  # an image-text-to-text model: its image blocks (plan_vlm.py)
+        from ..rehearsal.plan_vlm import vlm_step
+
+        return vlm_step(step), args
     method = _method(recipe, options, dataset_given)
     if method == "dpo":
         step = _dpo_step(recipe, options, step)

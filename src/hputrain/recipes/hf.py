@@ -357,8 +357,12 @@ def step_model(options: HFOptions):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
-    longest = getattr(config, "max_position_embeddings", None) or 1024
+    longest = getattr(config.get_text_config(), "max_position_embeddings", None) or 1024
     block = options.block_size or min(1024, longest)
+    if is_image_text_to_text(config):  # its image blocks: rehearsal/plan_vlm.py
+        from .hf_vision_plan import vision_step_model
+
+        return vision_step_model(folder, config, options, block)
 
     def build(lora: bool):
         # a copy each time: the kernels set the attention implementation on the config they see

@@ -89,6 +89,9 @@ class StepModel:
     grpo: dict | None = None
     """GRPO's settings (config.grpo.GRPOOptions' fields) when the step is a GRPO step
     (plan_grpo.py), else None."""
+    vision: object | None = None
+    """An image-text-to-text model's step: the recipe's settings (a dict), which
+    plan_vlm.vlm_step turns into its VisionStep (image blocks, the tower's share); else None."""
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Plan:
     moe: MoELayout | None = None
     """A mixture of experts' layout (rehearsal/plan_moe.py): experts, active parameters, the
     expert-parallel split and its all-to-all buffers; None for a dense model."""
+    vision: object | None = None
+    """An image-text-to-text model's vision tower share (plan_vlm.VisionShare), else None."""
 
     @property
     def fits(self) -> bool:
@@ -115,6 +120,8 @@ class Plan:
                  "fits": self.fits, "breakdown": self.breakdown, "suggestions": self.suggestions}
         if self.moe is not None:
             found["moe"] = self.moe.as_json()
+        if self.vision is not None:
+            found["vision"] = self.vision.as_json()
         return found
 
 
@@ -159,7 +166,7 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
 
     traced = trace(step, args)
     result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks,
-                  notes=_notes(traced, args, target), moe=traced.moe)
+                  notes=_notes(traced, args, target), moe=traced.moe, vision=traced.vision)
     if not result.fits:
         changes = list(_changes(step, args, offload=not target_is_host(target)))
         # a trace is not started unless one as long as the plan's own would end in the budget
@@ -175,6 +182,7 @@ class StepTrace(Trace):
 
     kernels: dict[str, int] = field(default_factory=dict)
     moe: MoELayout | None = None
+    vision: object | None = None
 
 
 def trace_step(step: StepModel, args, accelerator, fake: bool = True,
@@ -195,11 +203,15 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
     mode = _fake_mode() if fake else contextlib.nullcontext()
     shapes = grouped_mm_shapes() if fake else contextlib.nullcontext()
     experts = expert_parallel_stand_ins() if expert_parallel else contextlib.nullcontext()
+    images = getattr(step.vision, "tracing", None)  # an image step's (plan_vlm.py)
+    images = images() if fake and images else contextlib.nullcontext()
     grouped = (sharded or expert_parallel) and ranks > 1
-    with _fake_group(ranks) if grouped else contextlib.nullcontext() as group, mode, shapes, experts:
+    group_of = _fake_group(ranks) if grouped else contextlib.nullcontext()
+    with group_of as group, mode, shapes, experts, images:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
             for module in filter(None, (model, reference)):
                 module.to_empty(device="cpu")
+                _tie_again(module)
         prepared, optimizer, precision, clip, strategy = _prepare(model, args, group, accelerator)
         model = prepared.model
         if reference is not None and not fake:
@@ -229,8 +241,9 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        share = getattr(step.vision, "share", None)  # an image-text-to-text step's (plan_vlm.py)
         traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels,
-                           moe=layout)
+                           moe=layout, vision=share and share(model, counting, batch, ranks))
     if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
         split = {id(p) for p in getattr(strategy, "expert_params", ())}  # not DDP's: see ExpertParallel
         buckets = sum(p.numel() * p.element_size() for p in model.parameters()
@@ -442,6 +455,16 @@ def _apply(step: StepModel, args, flags: list[str]):
 
 
 # -- the pieces of a trace -------------------------------------------------------------------------
+
+def _tie_again(module) -> None:
+    """Weights a model ties (its input embedding and output head: Gemma's, small Llamas' and
+    Qwens') tied again after `to_empty`, which gives each module its own fake tensor (a fake
+    tensor cannot replace a meta one in place): untied, the plan counted the vocabulary's
+    weights, gradients and moments twice."""
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):
+        tie()
+
 
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
