@@ -13,8 +13,9 @@ first features in order, and the collator puts the real images' slots first, so 
 slots' features are never read.
 
 `static_image_merge` replaces `get_placeholder_mask` on the model instance (not the class) by the
-same mask without the check. It is the only change: the parameters, their names, the weights
-saved and every other method stay transformers' own.
+same mask without the check; for LLaVA and Gemma 3 that is the only change, and Qwen2.5-VL's
+tower gets two more (below). The parameters, their names and the weights saved stay
+transformers' own, and so does every other method.
 
 Host reads left in the forwards (transformers 5.24), on a static batch:
 - LLaVA: none.
@@ -53,16 +54,19 @@ _MARK = "_hputrain_static_merge"
 def static_image_merge(model: torch.nn.Module) -> bool:
     """Swaps the count-free placeholder mask into the covered image-text-to-text model inside
     `model` (itself, or under PEFT's, DDP's or fsdp's wrappers: the module that has
-    `get_placeholder_mask`), and for Qwen2.5-VL its image features (`_static_image_features`). Returns
-    whether it found one; a second call changes nothing."""
+    `get_placeholder_mask`), and for Qwen2.5-VL its image features and its tower's attention
+    (`_static_image_features`, `_static_attention`). Returns whether it found one; a second call
+    changes nothing."""
     inner = _inner_model(model)
     if inner is None:
         return False
     if not getattr(inner.get_placeholder_mask, _MARK, False):
         video = "video_features" in inspect.signature(inner.get_placeholder_mask).parameters
         inner.get_placeholder_mask = types.MethodType(_with_video if video else _image_only, inner)
-    if vision_family(inner.config).positions == "3d" and not getattr(inner.get_image_features, _MARK, False):
-        inner.get_image_features = types.MethodType(_static_image_features, inner)
+    if vision_family(inner.config).positions == "3d" and not _flash(inner.visual):
+        if not getattr(inner.get_image_features, _MARK, False):
+            inner.get_image_features = types.MethodType(_static_image_features, inner)
+        _window_attention(inner.visual)
     return True
 
 
@@ -103,9 +107,7 @@ def _static_image_features(self, pixel_values, image_grid_thw=None, return_dict=
     image, as transformers' own."""
     tower = self.visual
     images = image_grid_thw.shape[0]
-    if not _flash(tower):
-        kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}
-        _window_attention(tower)
+    kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}
     outputs = tower(pixel_values.type(tower.dtype), grid_thw=image_grid_thw, **kwargs)
     features = outputs.pooler_output
     outputs.pooler_output = features.split(features.shape[0] // images)
@@ -113,7 +115,8 @@ def _static_image_features(self, pixel_values, image_grid_thw=None, return_dict=
 
 
 def _flash(tower) -> bool:
-    """Whether the tower runs flash attention (split points on the device, no read: left as is)."""
+    """Whether the tower runs flash attention (its split points stay on the device, no read:
+    the tower is left as it is)."""
     return "flash" in str(getattr(tower.config, "_attn_implementation", ""))
 
 
@@ -179,7 +182,8 @@ def _static_attention(self, hidden_states, cu_seqlens, position_embeddings=None,
     modeling = sys.modules[type(self).__module__]
     images, per_image = windows.shape[0], windows.shape[-1]
     length = hidden_states.shape[0]
-    query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    qkv = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3)
+    query, key, value = qkv.unbind(0)
     cos, sin = position_embeddings
     query, key = modeling.apply_rotary_pos_emb_vision(query, key, cos, sin)
     query, key, value = (t.reshape(images, per_image, self.num_heads, -1).transpose(1, 2)
