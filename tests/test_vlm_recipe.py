@@ -205,6 +205,32 @@ def test_lora_final_loads_in_peft_and_export_merge_gives_its_logits(vlm_folders,
     _same_processing(folder, tmp_path / "merged", family)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_tower_and_projector_flags_reach_the_trained_folder(vlm_folders, image_data, tmp_path, lora,
+                                                               capsys):  # noqa: F811
+    """Qwen2.5-VL, whose projector sits inside its tower: --train-vision-tower --no-train-projector
+    trains the tower and not the merger; under LoRA, the tower's layers get adapters too."""
+    folder, out = vlm_folders("qwen2_5_vl"), tmp_path / "run"
+    flags = ["--lora-r", "4"] if lora else ["--no-train-projector"]
+    assert train(out, folder, image_data("image"), "--max-steps", "2", "--learning-rate", "1e-2",
+                 "--train-vision-tower", *flags) == 0
+    header = capsys.readouterr().out
+    assert ("vision tower trained, projector frozen (--train-projector trains it)" if lora else
+            "vision tower trained, projector frozen (--no-train-projector)") in header
+    if lora:
+        from safetensors.torch import load_file
+
+        names = list(load_file(out / "final" / "adapter_model.safetensors"))
+        assert any(".visual.blocks." in n for n in names) and any(".language_model." in n for n in names)
+        assert not any(".merger." in n for n in names)
+        return
+    trained = dict(transformers.AutoModelForImageTextToText.from_pretrained(out / "final").named_parameters())
+    start = transformers.AutoModelForImageTextToText.from_pretrained(folder)
+    changed = {n for n, p in start.named_parameters() if not torch.equal(p, trained[n])}
+    assert any(n.startswith("model.visual.blocks.") for n in changed)
+    assert not any(n.startswith(PROJECTOR["qwen2_5_vl"]) for n in changed)
+
+
 # -- resume, validation, bf16, refusals ------------------------------------------------------------
 
 @pytest.mark.slow

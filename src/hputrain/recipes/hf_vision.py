@@ -161,8 +161,8 @@ def processor_words(processing) -> str:
     for the header."""
     if processing.processor is not None:
         return type(processing.processor).__name__
-    return (f"{type(processing.tokenizer).__name__} + {type(processing.image_processor).__name__} "
-            "(the folder's processor class cannot be built here: Qwen2.5-VL's needs torchvision)")
+    return (f"the tokenizer + {type(processing.image_processor).__name__} (the folder's processor "
+            "class cannot be built here: Qwen2.5-VL's needs torchvision for its video processor)")
 
 
 # -- what trains -----------------------------------------------------------------------------------

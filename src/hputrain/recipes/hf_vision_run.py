@@ -195,12 +195,25 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
 
 
 def _parts(model, options) -> str:
-    tower = "trained" if options.train_vision_tower else "frozen (--train-vision-tower trains it)"
-    if options.lora_r:
-        projector = ("trained whole (--train-projector)" if options.train_projector
-                     else "frozen (--train-projector trains it)")
+    """"vision tower frozen (...), projector trained": read from what requires grad."""
+    from .hf_vision import part_prefixes
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parts = part_prefixes(base)
+    prefix = "base_model.model." if base is not model else ""
+
+    def trains(part: str, but: str | None = None) -> bool:
+        inside = (f"{prefix}{parts[part]}.",)
+        outside = (f"{prefix}{parts[but]}.",) if but else ()
+        return any(p.requires_grad for n, p in model.named_parameters()
+                   if n.startswith(inside) and not (outside and n.startswith(outside)))
+
+    tower = "trained" if trains("tower", "projector") else "frozen (--train-vision-tower trains it)"
+    if trains("projector"):
+        projector = "trained whole (--train-projector)" if options.lora_r else "trained"
     else:
-        projector = "frozen (--no-train-projector)" if options.train_projector is False else "trained"
+        projector = ("frozen (--train-projector trains it)" if options.lora_r
+                     else "frozen (--no-train-projector)")
     return f"vision tower {tower}, projector {projector}"
 
 
