@@ -78,7 +78,7 @@ def reference_loss(folder: Path, data: Path, block_size: int, fmt: str = "messag
         labels = torch.as_tensor(example.labels[:block_size], dtype=torch.long)
         learned = int((labels[1:] != -100).sum())
         cut += len(example.input_ids) > block_size
-        if processing.processor is not None and len(example.input_ids) <= block_size:
+        if processing.processor is not None and len(example.input_ids) <= block_size and "messages" in row:
             # the ids are the processor's own for the rendered conversation and its images
             text = processing.tokenizer.apply_chat_template(row["messages"], tokenize=False)
             made = processing.processor(text=text, images=[open_image(r) for r in example.images] or None,
@@ -106,6 +106,16 @@ def test_evaluate_equals_transformers_per_example_loss(vlm_folders, image_data, 
     assert result["eval_loss"] == pytest.approx(loss, abs=1e-5)
     assert result["eval_tokens"] == tokens and result["examples_cut"] == cut > 0
     assert f"{cut} cut to --block-size 96" in err and f"{cut} examples were longer" in err
+
+
+@pytest.mark.parametrize("fmt, family", [("prompt_completion", "llava"), ("image", "qwen2_5_vl")])
+def test_evaluate_on_the_other_row_formats_equals_transformers(vlm_folders, image_data, fmt, family, capsys):  # noqa: F811
+    folder, data = vlm_folders(family), image_data(fmt)
+    assert evaluate(folder, data, "--block-size", "96") == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loss, tokens, cut = reference_loss(folder, data, 96, fmt)
+    assert result["eval_loss"] == pytest.approx(loss, abs=1e-5)
+    assert (result["eval_tokens"], result["examples_cut"]) == (tokens, cut)
 
 
 def test_chat_rows_without_images_train_the_language_model_through_the_same_path(
@@ -198,6 +208,13 @@ def test_lora_final_loads_in_peft_and_export_merge_gives_its_logits(vlm_folders,
         plain = base(**inputs).logits
         tuned = peft.PeftModel.from_pretrained(base, final).eval()(**inputs).logits
     assert (tuned - plain).abs().max() > 1e-3  # the adapters (and the projector) moved
+    capsys.readouterr()
+    assert evaluate(final, image_data("messages"), "--block-size", "96") == 0  # final/ as --model
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loss, _, _ = reference_loss(folder, image_data("messages"), 96,
+                                model=peft.PeftModel.from_pretrained(
+                                    transformers.AutoModelForImageTextToText.from_pretrained(folder), final))
+    assert result["eval_loss"] == pytest.approx(loss, abs=1e-5)
     assert main(["export", "--merge", str(final), "--output", str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
