@@ -108,16 +108,17 @@ def load(folder: Path, sharded: bool):
 
 
 def prepared(folder: Path, choice: str, sharded: bool):
-    """The model to train for `choice`, frozen and wrapped as the recipe does it
-    (hf_vision.prepare_parts), LoRA's adapters drawn after torch.manual_seed(0), without dropout
-    (each rank would draw its own)."""
+    """The model to train for `choice`, loaded, frozen and wrapped as the recipe does it
+    (hf_vision.prepare_parts) after torch.manual_seed(0) (recipes/hf.py run: the loading must not
+    move the generator LoRA's adapters are then drawn from), without LoRA dropout (each rank
+    would draw its own)."""
     from hputrain.recipes.hf import HFOptions
     from hputrain.recipes.hf_vision import prepare_parts
 
+    torch.manual_seed(0)
     model = load(folder, sharded)
     lora = {"lora_r": 4, "lora_dropout": 0.0} if choice == "lora" else {}
     options = HFOptions(model=str(folder), dataset="unused", train_vision_tower=choice == "tower", **lora)
-    torch.manual_seed(0)
     return prepare_parts(model, options)
 
 

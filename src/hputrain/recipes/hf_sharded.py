@@ -66,7 +66,9 @@ def meta_model(folder: Path, config, flag: str, auto=None, *, new_heads: bool = 
     from ..distributed.fsdp import set_weight_source
 
     auto = auto or transformers.AutoModelForCausalLM
-    with parameters_on_meta():
+    # as from_pretrained, which draws nothing: a parameter made with torch.randn (CLIP's and
+    # SigLIP's vision embeddings) would move the generator LoRA's adapters are drawn from next
+    with parameters_on_meta(), torch.random.fork_rng(devices=[]):
         model = auto.from_config(config, dtype=torch.float32)
     files = safetensors_files(folder)
     heads = [name for name, child in model.named_children() if new_heads and not isinstance(files, str)
