@@ -73,8 +73,9 @@ class VisionShare:
     """All tokens of one micro-batch."""
     images: int
     """Images of one micro-batch (B * K)."""
-    activations: int = 0
-    """What the tower's forward leaves alive for backward (its output included)."""
+    activations: int | None = None
+    """What the tower's forward leaves alive for backward (its output included); None where the
+    trace did not follow the tower alone (fsdp)."""
     shape: ImageShape | None = None
     slots: int = 0
 
@@ -91,9 +92,11 @@ class VisionShare:
                  if self.tower_trained else f"frozen: {_size(self.tower_bytes)} of weights")
         return (f"vision: {self.family}, tower of {_millions(self.tower_parameters)} parameters "
                 f"({state}); "
-                f"{self.images} images a micro-batch ({self.slots} slots a block, "
-                f"{self.shape.tokens} tokens each from {self.shape.source}): {self.image_tokens:,} "
-                f"of its {self.tokens:,} tokens; the tower's activations {_size(self.activations)}")
+                f"{self.images} images a micro-batch ({self.slots} slot"
+                f"{'s' if self.slots > 1 else ''} a block, {self.shape.tokens} tokens each from "
+                f"{self.shape.source}): {self.image_tokens:,} of its {self.tokens:,} tokens; the "
+                "tower's activations "
+                + (_size(self.activations) if self.activations is not None else "not traced alone"))
 
 
 def vlm_step(step):
@@ -274,17 +277,21 @@ def find_tower(model: torch.nn.Module, attribute: str) -> torch.nn.Module | None
     return min(found, key=lambda item: len(item[0]))[1] if found else None
 
 
-def tower_activations(counting, tower) -> int:
-    """The activation bytes alive after the tower's forward less those before it (MemTracker's
-    per-module snapshots of the traced step), summed over its calls; 0 when it kept none."""
+def tower_activations(counting, tower) -> int | None:
+    """The activation bytes alive after the tower's first forward less those before it
+    (MemTracker's per-module snapshots of the traced step; a later call is activation
+    checkpointing's recompute in backward); None where the tracker kept no snapshot of the
+    tower (fsdp's tracker follows its own units)."""
     stats = getattr(counting, "memory_tracking", {}).get(tower) if tower is not None else None
     if stats is None:
-        return 0
+        return None
     from torch.distributed._tools.mem_tracker import _ModState
 
     before = stats.snapshots.get(_ModState.PRE_FW, [])
     after = stats.snapshots.get(_ModState.POST_FW, [])
-    return max(0, sum(_activations(b) for b in after) - sum(_activations(a) for a in before))
+    if not before or not after:
+        return None
+    return max(0, _activations(after[0]) - _activations(before[0]))
 
 
 def _activations(snapshot: dict) -> int:
