@@ -109,12 +109,13 @@ def test_a_folder_of_config_json_alone_plans_the_configs_image_tokens(vlm_folder
     assert vision["tokens_per_image"] == _processor_tokens(folder, "llava")
 
 
-@pytest.mark.parametrize("case", ["slots", "buckets"])
+@pytest.mark.parametrize("case", ["slots", "buckets", "method"])
 def test_image_settings_the_run_refuses_are_one_line(case, vlm_folders, capsys):
     folder = vlm_folders("llava")
-    more = (["--block-size", "16", "--image-slots", "8"] if case == "slots"
-            else ["--image-buckets", "56x56"])
+    more = {"slots": ["--block-size", "16", "--image-slots", "8"],
+            "buckets": ["--image-buckets", "56x56"], "method": ["--method", "dpo"]}[case]
+    capsys.readouterr()  # what making the folder printed
     assert main(["plan", *flags(folder), *more]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    flag = "--image-slots" if case == "slots" else "--image-buckets"
+    flag = {"slots": "--image-slots", "buckets": "--image-buckets", "method": "--method dpo"}[case]
     assert len(err) == 1 and flag in err[0], err

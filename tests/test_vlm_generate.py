@@ -173,7 +173,7 @@ def _copy_processor(source, folder) -> None:
             shutil.copy(source / name, folder / name)
 
 
-@pytest.mark.parametrize("case", ["text model", "missing", "unreadable", "no chat"])
+@pytest.mark.parametrize("case", ["text model", "missing", "unreadable", "no chat", "checkpoint"])
 def test_bad_image_requests_are_one_line(case, vlm_folders, pictures, tmp_path, capsys):
     from .hf_fixtures import tiny_llama_folder
 
@@ -185,12 +185,14 @@ def test_bad_image_requests_are_one_line(case, vlm_folders, pictures, tmp_path, 
     elif case == "unreadable":
         image = str(tmp_path / "broken.png")
         (tmp_path / "broken.png").write_text("not an image")
-    else:
+    elif case == "no chat":
         more = []
+    source = ["--checkpoint", str(tmp_path)] if case == "checkpoint" else ["--model", str(folder)]
     capsys.readouterr()  # what making the folders printed
-    assert main(["generate", "--model", str(folder), "--image", image, *more]) == 2
+    assert main(["generate", *source, "--image", image, *more]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image" in err[0], err
     expected = {"text model": "holds a text model", "missing": "no such file",
-                "unreadable": "cannot be read as an image", "no chat": "--chat"}[case]
+                "unreadable": "cannot be read as an image", "no chat": "--chat",
+                "checkpoint": "--model DIR"}[case]
     assert expected in err[0]

@@ -21,9 +21,15 @@ def vision_step_model(folder: Path, config, options, block: int) -> dict:
 
     from .hf_vision import prepare_parts
 
+    from .hf_vision_run import UNSUPPORTED
+
     family = vision_family(config)
     if family is None:
         raise InputError(f"--model {folder}: {refusal(config.model_type)}")
+    if options.method in UNSUPPORTED:  # as the run refuses it
+        raise InputError(f"{UNSUPPORTED[options.method]} (--method {options.method}) on an "
+                         f"image-text-to-text model (--model {folder}) is not supported yet: plan "
+                         "its SFT (--method sft or auto)")
 
     def build(lora: bool):
         model = transformers.AutoModelForImageTextToText.from_config(copy.deepcopy(config),
