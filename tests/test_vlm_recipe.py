@@ -134,6 +134,23 @@ def test_chat_rows_without_images_train_the_language_model_through_the_same_path
     assert result["images"] == 0
 
 
+def test_text_rows_on_a_type_causal_lm_also_takes_go_the_text_path_as_before(vlm_folders, tmp_path, capsys):  # noqa: F811
+    """Gemma 3 (AutoModelForCausalLM takes it too) on text chat rows: the SFT path of text models,
+    whose loss is transformers' causal LM's per example (test_sft_recipe's reference)."""
+    from .test_sft_recipe import reference_loss as text_reference
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": "an answer " * (1 + i % 3)}]} for i in range(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = vlm_folders("gemma3")
+    assert evaluate(folder, data) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loss, tokens = text_reference(folder, rows)
+    assert result["method"] == "messages" and "images" not in result
+    assert result["eval_loss"] == pytest.approx(loss, abs=1e-5) and result["eval_tokens"] == tokens
+
+
 # -- train: full fine-tuning, final/ --------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,6 +19,7 @@ from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
 from ..errors import first_line as _first_line
 from ..models.vision import describe as describe_vision, is_image_text_to_text
+from .hf_vision import loads_as_causal_lm
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
                                         folder_task, head_labels, is_adapter_folder, load_adapter,
                                         load_classifier, tokenizer_folder)
@@ -197,9 +198,10 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     from .finish import report_outputs, save_final, write_recipe
 
     folder = model_folder(options.model, base_model=options.base_model)
-    from .hf_vision import vision_config
+    from .hf_vision import has_images, vision_config
 
-    vision = vision_config(folder, options.base_model) is not None  # an uncovered family: one line
+    # an uncovered family: one line; text data on a type AutoModelForCausalLM takes: the text path
+    vision = vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None
     if vision:  # what the image path does not take, before any process starts (hf_vision_run.py)
         from .hf_vision_run import check_run
 
@@ -451,7 +453,7 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
-    if task == CAUSAL_LM and is_image_text_to_text(config):  # not a causal LM: one line
+    if task == CAUSAL_LM and is_image_text_to_text(config) and not loads_as_causal_lm(config):
         raise InputError(f"{flag} {folder} holds an image-text-to-text model ({describe_vision(config)}), "
                          f"not a causal language model: {flag} does not take one here")
     tokenizer = _load_tokenizer(folder, flag)

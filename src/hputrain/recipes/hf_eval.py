@@ -31,9 +31,10 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
         return evaluate_pairs(method_options(options, "dpo"), batch_size=batch_size,
                               precision=precision)
     folder = model_folder(options.model, base_model=options.base_model)
-    from .hf_vision import vision_config
+    from .hf_vision import has_images, vision_config
 
-    if vision_config(folder, options.base_model) is not None:  # image-text-to-text (hf_vision_run.py)
+    # image-text-to-text (hf_vision_run.py), but text data on a type AutoModelForCausalLM takes
+    if vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None:
         from .hf_vision_run import evaluate_vision
 
         return evaluate_vision(options, folder, batch_size=batch_size, precision=precision)

@@ -15,7 +15,7 @@ from ..checkpoint.export import save_model
 from ..checkpoint.model_folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ..errors import InputError
 from .hf import load_model, model_folder
-from .hf_vision import load_vision, saver, vision_config
+from .hf_vision import has_processor_files, load_vision, saver, vision_config
 
 
 def export_merged(adapter: str, output: str, base_model: str | None = None) -> Path:
@@ -30,7 +30,8 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     target = Path(output).expanduser()
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
-    if vision_config(folder, base_model) is not None:  # image-text-to-text: its processor too
+    # image-text-to-text, written with its processor (a folder without one: the causal-LM path)
+    if vision_config(folder, base_model, images=has_processor_files(folder, base_model)) is not None:
         merged, processing = load_vision(folder, "--merge", base_model=base_model, merge=True)
         tokenizer = saver(processing)
     else:

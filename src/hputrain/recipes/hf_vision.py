@@ -55,10 +55,12 @@ class TokenizerAndImages:
         return len(self.tokenizer)
 
 
-def vision_config(folder: Path, base_model: str | None = None):
-    """The config of `folder` (a model folder, or an adapter folder's base) when it is an
-    image-text-to-text model's, else None; an image-text-to-text type that is not covered is one
-    line (models.vision.refusal)."""
+def vision_config(folder: Path, base_model: str | None = None, *, images: bool = True):
+    """The config of `folder` (a model folder, or an adapter folder's base) when the image path
+    takes it, else None: an image-text-to-text model's, unless `images` is False (text data, no
+    image column) and AutoModelForCausalLM loads its type too (Gemma 3, Llama 4: trained on text
+    as before, by the causal-LM path). An image-text-to-text type that is not covered is one line
+    (models.vision.refusal)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
 
@@ -68,11 +70,38 @@ def vision_config(folder: Path, base_model: str | None = None):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None  # the causal-LM path says why config.json cannot be read
-    if not is_image_text_to_text(config):
+    if not is_image_text_to_text(config) or (not images and loads_as_causal_lm(config)):
         return None
     if vision_family(config) is None:
         raise InputError(f"--model {folder}: {refusal(config.model_type)}")
     return config
+
+
+def loads_as_causal_lm(config) -> bool:
+    """Whether AutoModelForCausalLM takes `config`'s type (some image-text-to-text types too)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def has_images(path: str | None) -> bool:
+    """Whether the data set at `path` has an image column (what cannot be read: False, the
+    recipe then says why)."""
+    from ..data.vision.rows import detect_image_format
+    from .hf_data import columns_of
+
+    try:
+        columns = columns_of(path) if path else None
+        return bool(columns) and detect_image_format(columns) is not None
+    except (InputError, OSError):
+        return False
+
+
+def has_processor_files(folder: Path, base_model: str | None = None) -> bool:
+    """Whether `folder` (or an adapter folder's base) holds an image or whole processor's config."""
+    folders = [Path(folder)] + ([adapter_base(folder, base_model)] if is_adapter_folder(folder) else [])
+    return any((f / name).is_file() for f in folders
+               for name in ("processor_config.json", "preprocessor_config.json"))
 
 
 def load_vision(folder: Path, flag: str = "--model", *, from_scratch: bool = False,
