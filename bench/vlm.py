@@ -35,10 +35,13 @@ examples that the model processes and that are not padding: every token of every
 batch (text and image tokens, the learned and the context ones); hputrain: the sum of the
 blocks' seq_lens; TRL: the sum of its attention mask. The learned tokens (labels other than -100
 after the causal shift) are given beside them. A run's figure is the median over its steps after
---warmup of a step's tokens over its time (stamped by each trainer's on_step_end callback). The
-two alternate in --repeats interleaved rounds (AB BA ...); the table gives the median of rounds.
+--warmup of a step's tokens over its time (stamped by each trainer's on_step_end callback), in
+wall seconds and in this process's CPU seconds (which on a shared machine leave out the time
+other work holds the cores; with OMP_NUM_THREADS=1 and the data loaded in the main process they
+are the step's work). TRL's collator time a batch is recorded too. The two alternate in
+--repeats interleaved rounds (AB BA ...); the table gives the median of rounds.
 
-    OMP_NUM_THREADS=2 nice python bench/vlm.py [--steps 12] [--warmup 3] [--repeats 3]
+    OMP_NUM_THREADS=1 nice python bench/vlm.py [--steps 10] [--warmup 3] [--repeats 3]
                      [--batch 2] [--block-size 512] [--conversations 400] [--json FILE] [--quick]
 
 On a shared machine run it with `nice` and OMP_NUM_THREADS set: the threads and the load average
@@ -199,6 +202,12 @@ def counted(batch: dict) -> dict:
             "learned": int((batch["labels"][..., 1:] != -100).sum())}
 
 
+def stamp() -> tuple[float, float]:
+    """(wall, CPU) seconds now: the CPU time of this process (all its threads) does not count
+    the time other work on a shared machine takes the cores away, the wall time does."""
+    return time.perf_counter(), time.process_time()
+
+
 def rates(stamps: list[float], counts: list[dict], warmup: int, key: str) -> float:
     """The median, over the steps after `warmup`, of a step's `key` count over its time (step k
     ends at stamps[k]): the median, so that a burst of other work on a shared machine during one
@@ -207,9 +216,13 @@ def rates(stamps: list[float], counts: list[dict], warmup: int, key: str) -> flo
                              for k in range(warmup + 1, len(stamps)))
 
 
-def summary(stamps: list[float], counts: list[dict], warmup: int) -> dict:
+def summary(stamps: list[tuple[float, float]], counts: list[dict], warmup: int) -> dict:
+    """A run's figures from its step stamps ((wall, process CPU) seconds at each step's end)."""
     steps = counts[warmup + 1:]
+    cpu = [c for _, c in stamps]
+    stamps = [w for w, _ in stamps]
     return {"tokens_per_s": rates(stamps, counts, warmup, "tokens"),
+            "tokens_per_cpu_s": rates(cpu, counts, warmup, "tokens"),
             "learned_per_s": rates(stamps, counts, warmup, "learned"),
             "step_s": statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])),
             "examples_per_step": statistics.mean(c["examples"] for c in steps),
@@ -234,7 +247,7 @@ class Stamps(Callback):
             self.targets = config.target_modules
 
     def on_step_end(self, trainer):
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(stamp())
         self.counts.append(counted(trainer.step_inputs))
 
 
@@ -261,10 +274,12 @@ class Recording:
     """TRL's collator, recording what each batch it makes holds, in order."""
 
     def __init__(self, collate):
-        self.collate, self.counts = collate, []
+        self.collate, self.counts, self.seconds = collate, [], []
 
     def __call__(self, examples):
+        started = time.perf_counter()
         batch = self.collate(examples)
+        self.seconds.append(time.perf_counter() - started)
         self.counts.append(counted(batch))
         return batch
 
@@ -290,7 +305,7 @@ def run_trl(folder: Path, dataset, opts, targets, batch: int) -> dict:
             self.stamps = []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(stamp())
 
     stamps = TRLStamps()
     torch.manual_seed(0)
@@ -308,7 +323,9 @@ def run_trl(folder: Path, dataset, opts, targets, batch: int) -> dict:
                                  callbacks=[stamps])
         recording = trainer.data_collator = Recording(trainer.data_collator)
         trainer.train()
-    return summary(stamps.stamps, recording.counts, opts.warmup)
+    # the share of its step TRL's collator takes (chat template, tokenizer, image processor)
+    collate = statistics.median(recording.seconds[opts.warmup + 1:])
+    return summary(stamps.stamps, recording.counts, opts.warmup) | {"collate_s": collate}
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -320,7 +337,7 @@ QUICK = {"steps": 5, "warmup": 1, "repeats": 1, "batch": 1, "block_size": 256, "
 
 def options(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     p.add_argument("--batch", type=int, default=2, help="hputrain's packed blocks a step")
@@ -378,7 +395,8 @@ def report(runs: dict[str, list[dict]], opts, trl_batch: int, targets, load_befo
     accelerator = detect_accelerator("cpu")
     accelerator.setup(0)
     median = {name: {key: statistics.median(run[key] for run in values)
-                     for key in ("tokens_per_s", "learned_per_s", "step_s", "examples_per_step", "padding")}
+                     for key in ("tokens_per_s", "tokens_per_cpu_s", "learned_per_s", "step_s",
+                                 "examples_per_step", "padding")}
               for name, values in runs.items()}
     base = median.get("TRL padded") or next(iter(median.values()))
     print(f"machine: {machine(accelerator)}, {os.cpu_count()} cores, OMP_NUM_THREADS "
@@ -394,14 +412,20 @@ def report(runs: dict[str, list[dict]], opts, trl_batch: int, targets, load_befo
           f"blocks a step, TRL {trl_batch} conversations a step; {opts.steps} steps, first "
           f"{opts.warmup} left out, {opts.repeats} interleaved rounds; threads "
           f"{sorted({run['threads'] for values in runs.values() for run in values})}")
-    print("| trainer | trained tokens/s | learned tokens/s | median step (s) | examples a step "
-          "| padding | vs TRL (trained tokens/s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| trainer | trained tokens/s | vs TRL | trained tokens / CPU s | vs TRL | learned tokens/s "
+          "| median step (s) | examples a step | padding |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, m in median.items():
-        print(f"| {name} | {m['tokens_per_s']:.0f} | {m['learned_per_s']:.0f} | {m['step_s']:.2f} | "
-              f"{m['examples_per_step']:.1f} | {m['padding']:.1%} | "
-              f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
-    print({name: [round(run["tokens_per_s"]) for run in values] for name, values in runs.items()})
+        print(f"| {name} | {m['tokens_per_s']:.0f} | {m['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+              f"{m['tokens_per_cpu_s']:.0f} | {m['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}x | "
+              f"{m['learned_per_s']:.0f} | {m['step_s']:.2f} | {m['examples_per_step']:.1f} | "
+              f"{m['padding']:.1%} |")
+    for key in ("tokens_per_s", "tokens_per_cpu_s"):
+        print(key, {name: [round(run[key]) for run in values] for name, values in runs.items()})
+    collate = [run["collate_s"] for run in runs.get("TRL padded", [])]
+    if collate:
+        print(f"TRL's collator: {statistics.median(collate) * 1e3:.0f} ms a batch (median), inside "
+              f"its step of {median['TRL padded']['step_s']:.2f} s")
     if opts.json:
         Path(opts.json).write_text(json.dumps({"runs": runs, "medians": median, "trl_batch": trl_batch},
                                               indent=2, default=str))
