@@ -13,7 +13,7 @@ from hputrain.cli import main
 
 from .hf_fixtures import on_cpu  # noqa: F401  (fixture)
 from .plan_step_script import measured, planned
-from .vlm_fixtures import image_processor, vlm_folders  # noqa: F401  (fixture)
+from .vlm_fixtures import image_data, image_processor, vlm_folders  # noqa: F401  (fixtures)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("on_cpu")
@@ -119,3 +119,28 @@ def test_image_settings_the_run_refuses_are_one_line(case, vlm_folders, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     flag = {"slots": "--image-slots", "buckets": "--image-buckets", "method": "--method dpo"}[case]
     assert len(err) == 1 and flag in err[0], err
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_the_planned_batch_has_the_shapes_of_the_runs_batch(family, vlm_folders, image_data):
+    """The plan's blocks against the run's own: the image data set encoded and packed by
+    data/vision/ (the recipe's load_image_rows) and stacked by its ImageCollator, at the same
+    --block-size and --image-slots: every key, shape and dtype."""
+    from hputrain.cli import build_parser
+    from hputrain.data.vision.encode import Processing
+    from hputrain.recipes import chosen_recipe
+    from hputrain.recipes.hf_vision_run import load_image_rows
+
+    from .plan_step_script import settings
+
+    folder = vlm_folders(family)
+    asked = flags(folder, "--image-slots", "3", "--dataset", str(image_data("messages")))
+    step, _ = settings(asked)
+    parsed = vars(build_parser().parse_args(["train", *asked]))
+    _, options, _ = chosen_recipe(parsed)
+    data = load_image_rows(options, Processing.load(folder), 128, None)
+    real = data.collator([data.train[0], data.train[1]])
+    planned_batch = step.batch(2)
+    assert set(planned_batch) == set(real)
+    for key, value in real.items():
+        assert (planned_batch[key].shape, planned_batch[key].dtype) == (value.shape, value.dtype), key
