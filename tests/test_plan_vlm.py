@@ -143,4 +143,5 @@ def test_the_planned_batch_has_the_shapes_of_the_runs_batch(family, vlm_folders,
     planned_batch = step.batch(2)
     assert set(planned_batch) == set(real)
     for key, value in real.items():
-        assert (planned_batch[key].shape, planned_batch[key].dtype) == (value.shape, value.dtype), key
+        found = planned_batch[key]
+        assert (found.shape, found.dtype) == (value.shape, value.dtype), key
