@@ -219,3 +219,30 @@ def test_gemma3_on_two_ranks_trains_packed_blocks_as_one_process(tmp_path, vlm_f
     units = json.loads((tmp_path / "two" / "layout.json").read_text())["units"]
     assert sum(".vision_tower." in u for u in units) == 2 and sum(".language_model.layers." in u for u in units) == 2
     assert not any("embed" in u or "lm_head" in u for u in units), units  # tied: in the root
+
+
+@pytest.mark.slow
+def test_hputrain_train_on_two_fsdp_ranks_equals_one_process(tmp_path, vlm_folders, image_data):
+    """The recipe end to end: `hputrain train` on a LLaVA folder and image rows, LoRA (adapters
+    drawn after --seed from a model loaded shard by shard), packed blocks, activation
+    checkpointing, 2 fsdp processes of batch 1 as one process of batch 2."""
+    import subprocess
+    import sys
+
+    def train(name: str, *args: str) -> Path:
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu",
+                               "--model", str(vlm_folders("llava")), "--dataset", str(image_data("messages")),
+                               "--block-size", "128", "--max-steps", str(script.STEPS), "--seed", "3",
+                               "--lora-r", "4", "--lora-dropout", "0", "--learning-rate", "1e-3",
+                               "--logging-steps", "1", "--disable-tqdm", "--validation-split-percentage", "0",
+                               "--precision", "fp32", "--save-steps", "-1", "--output-dir", str(out), *args],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+        return out
+
+    one = train("one", "--per-device-train-batch-size", "2")
+    two = train("two", "--per-device-train-batch-size", "1", "--devices", "2", "--strategy", "fsdp",
+                "--gradient-checkpointing")
+    assert_same_losses(one, two)
+    assert (two / "final" / "adapter_config.json").is_file()
