@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .vlm_fixtures import FAMILIES, image_rows, vlm_folders, image_data, write_image_dataset  # noqa: F401
+from .vlm_fixtures import image_data, vlm_folders  # noqa: F401
+from .vlm_fixtures import FAMILIES, image_rows, save_image_dataset, write_image_dataset
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,12 +109,17 @@ def test_evaluate_equals_transformers_per_example_loss(vlm_folders, image_data, 
     assert f"{cut} cut to --block-size 96" in err and f"{cut} examples were longer" in err
 
 
-@pytest.mark.parametrize("fmt, family", [("prompt_completion", "llava"), ("image", "qwen2_5_vl")])
-def test_evaluate_on_the_other_row_formats_equals_transformers(vlm_folders, image_data, fmt, family, capsys):  # noqa: F811
-    folder, data = vlm_folders(family), image_data(fmt)
+@pytest.mark.parametrize("fmt, family", [("prompt_completion", "llava"), ("image", "qwen2_5_vl"),
+                                         ("saved", "gemma3")])
+def test_evaluate_on_the_other_row_formats_equals_transformers(vlm_folders, image_data, fmt, family,
+                                                               tmp_path, capsys):  # noqa: F811
+    """prompt-completion rows, a single image column, and a save_to_disk folder whose images are
+    a datasets Image feature."""
+    folder = vlm_folders(family)
+    data = save_image_dataset(tmp_path / "saved") if fmt == "saved" else image_data(fmt)
     assert evaluate(folder, data, "--block-size", "96") == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    loss, tokens, cut = reference_loss(folder, data, 96, fmt)
+    loss, tokens, cut = reference_loss(folder, data, 96, "messages" if fmt == "saved" else fmt)
     assert result["eval_loss"] == pytest.approx(loss, abs=1e-5)
     assert (result["eval_tokens"], result["examples_cut"]) == (tokens, cut)
 
