@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .vlm_fixtures import FAMILIES, vlm_folders, image_data  # noqa: F401
+from .vlm_fixtures import FAMILIES, vlm_folders  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -292,6 +292,29 @@ def test_resume_after_a_stop_continues_as_one_run(vlm_folders, image_data, tmp_p
     assert losses[0] == pytest.approx(losses[1], abs=1e-5) and len(losses[0]) == 4
 
 
+@pytest.mark.slow
+def test_two_processes_with_a_trained_tower_train_as_one(vlm_folders, image_data, tmp_path):  # noqa: F811
+    """Gemma 3 with --train-vision-tower (its pooling head never gets a gradient) on 2 processes,
+    one block each, ends where one process with both blocks in a batch ends."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    for devices in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "train", "--cpu",
+                               "--model", str(vlm_folders("gemma3")), "--dataset", str(image_data("messages")),
+                               "--output-dir", str(tmp_path / str(devices)), *SMALL, "--max-steps", "2",
+                               "--devices", str(devices), "--per-device-train-batch-size", str(2 // devices),
+                               "--train-vision-tower", "--learning-rate", "1e-3", "--save-steps", "-1"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (load_file(tmp_path / str(d) / "final" / "model.safetensors") for d in (1, 2))
+    assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one)
+    start = load_file(vlm_folders("gemma3") / "model.safetensors")
+    assert any(not torch.equal(one[k], start[k]) for k in one if "vision_tower" in k and ".encoder." in k)
+
+
 def test_validation_at_eval_steps_is_the_held_out_examples_loss(vlm_folders, tmp_path):  # noqa: F811
     folder = vlm_folders("gemma3")
     data = write_image_dataset(tmp_path / "data", rows=20)

@@ -105,8 +105,12 @@ def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
     check_run(options, training_args)
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
-    # the collator makes exactly the model's inputs from the blocks (their image_count included)
-    training_args = dataclasses.replace(training_args, remove_unused_columns=False)
+    # The collator makes exactly the model's inputs from the blocks (their image_count included).
+    # A trained tower holds weights its features never reach (LLaVA's layers past its feature
+    # layer and CLIP's post-norm, SigLIP's pooling head): DDP is told to expect them.
+    training_args = dataclasses.replace(
+        training_args, remove_unused_columns=False,
+        ddp_find_unused_parameters=training_args.ddp_find_unused_parameters or options.train_vision_tower)
     model, processing = load_vision(folder, from_scratch=options.from_scratch,
                                     sharded=loads_sharded(training_args), base_model=options.base_model,
                                     trainable=True, image_buckets=options.image_buckets)
