@@ -315,6 +315,21 @@ def test_two_processes_with_a_trained_tower_train_as_one(vlm_folders, image_data
     assert any(not torch.equal(one[k], start[k]) for k in one if "vision_tower" in k and ".encoder." in k)
 
 
+def test_gradient_accumulation_equals_the_larger_batch(vlm_folders, image_data, tmp_path):  # noqa: F811
+    """Qwen2.5-VL under LoRA: 2 micro-batches of 1 block accumulated give the step of 1 batch of 2
+    blocks (whose image slots the collator orders real images first across both)."""
+    from safetensors.torch import load_file
+
+    for accumulate in (1, 2):
+        assert train(tmp_path / str(accumulate), vlm_folders("qwen2_5_vl"), image_data("messages"),
+                     "--max-steps", "1", "--gradient-accumulation-steps", str(accumulate),
+                     "--per-device-train-batch-size", str(2 // accumulate), "--learning-rate", "1e-3",
+                     "--lora-r", "4", "--lora-dropout", "0", "--save-steps", "-1") == 0
+    one, two = (load_file(tmp_path / str(a) / "final" / "adapter_model.safetensors") for a in (1, 2))
+    assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+    assert any(one[k].abs().max() > 1e-4 for k in one if "lora_B" in k)  # the step moved them
+
+
 def test_validation_at_eval_steps_is_the_held_out_examples_loss(vlm_folders, tmp_path):  # noqa: F811
     folder = vlm_folders("gemma3")
     data = write_image_dataset(tmp_path / "data", rows=20)
