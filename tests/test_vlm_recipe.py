@@ -182,6 +182,18 @@ def test_full_fine_tuning_writes_a_final_folder_transformers_loads(vlm_folders, 
     _same_processing(folder, final, family)
 
 
+def test_a_chat_template_given_is_the_one_final_holds(vlm_folders, image_data, tmp_path):  # noqa: F811
+    from .vlm_fixtures import chat_template
+
+    template = tmp_path / "tagged.jinja"
+    template.write_text(chat_template("llava", tagged=True))
+    out = tmp_path / "run"
+    assert train(out, vlm_folders("llava"), image_data("messages"), "--max-steps", "1",
+                 "--chat-template", str(template), "--save-steps", "-1") == 0
+    assert transformers.AutoProcessor.from_pretrained(out / "final").chat_template == template.read_text()
+    assert transformers.AutoProcessor.from_pretrained(vlm_folders("llava")).chat_template != template.read_text()
+
+
 def _same_processing(folder: Path, final: Path, family: str) -> None:
     """final/'s processor (or tokenizer + image processor) encodes a conversation with an image
     as the model folder's does (the chat template and image processor kept)."""
