@@ -378,6 +378,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
     ("grpo", "GRPO (--method grpo) on an image-text-to-text model"),
     ("text", "is not image data, and --model"),
     ("streaming", "--streaming reads text shards"),
+    ("lm", "--method lm trains on plain text"),
 ])
 def test_what_the_image_path_does_not_take_is_one_line(vlm_folders, image_data, tmp_path, capsys,
                                                        case, words):  # noqa: F811
@@ -395,7 +396,11 @@ def test_what_the_image_path_does_not_take_is_one_line(vlm_folders, image_data, 
         data.write_text("plain text " * 100)
     elif case == "streaming":
         argv = ["--streaming", "--max-steps", "2"]
-    assert train(tmp_path / "run", vlm_folders("llava"), data, "--max-steps", "1", *argv) == 2
+    elif case == "lm":
+        argv = ["--method", "lm"]
+    folder = vlm_folders("llava")
+    capsys.readouterr()  # the fixtures' progress bars
+    assert train(tmp_path / "run", folder, data, "--max-steps", "1", *argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "run" / "final").exists()
@@ -404,6 +409,8 @@ def test_what_the_image_path_does_not_take_is_one_line(vlm_folders, image_data, 
 def test_an_uncovered_image_text_to_text_type_is_one_line(tmp_path, image_data, capsys):  # noqa: F811
     folder = tmp_path / "other"
     transformers.PaliGemmaConfig().save_pretrained(folder)  # covered nowhere: refused before loading
-    assert train(tmp_path / "run", folder, image_data("messages"), "--max-steps", "1") == 2
+    data = image_data("messages")
+    capsys.readouterr()
+    assert train(tmp_path / "run", folder, data, "--max-steps", "1") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "paligemma" in err[0] and "--model" in err[0]

@@ -46,6 +46,9 @@ def image_format(options) -> str:
                          f"(--model {options.model}) is not supported yet: train it with SFT "
                          "(--method sft or auto) on image rows")
     fmt = detect_image_format(columns) if columns else None
+    if fmt is not None and method == "lm":
+        raise InputError(f"--method lm trains on plain text; --dataset {options.dataset} holds image "
+                         f"rows ({fmt}): leave --method at auto (or sft)")
     if fmt is not None:
         return fmt
     try:
