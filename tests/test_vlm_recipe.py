@@ -342,6 +342,26 @@ def test_gradient_accumulation_equals_the_larger_batch(vlm_folders, image_data, 
     assert any(one[k].abs().max() > 1e-4 for k in one if "lora_B" in k)  # the step moved them
 
 
+def test_activation_checkpointing_under_lora_trains_as_without(vlm_folders, image_data, tmp_path,
+                                                               monkeypatch):  # noqa: F811
+    """Gemma 3 under LoRA (the embeddings and tower frozen: no input of a checkpointed block
+    requires grad) with --gradient-checkpointing ends where the same run without it ends."""
+    import torch.utils.checkpoint as torch_checkpoint
+    from safetensors.torch import load_file
+
+    calls = []
+    original = torch_checkpoint.checkpoint
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for name, flags in (("plain", []), ("checkpointed", ["--gradient-checkpointing"])):
+        assert train(tmp_path / name, vlm_folders("gemma3"), image_data("messages"), "--max-steps", "1",
+                     "--learning-rate", "1e-3", "--lora-r", "4", "--lora-dropout", "0",
+                     "--save-steps", "-1", *flags) == 0
+        assert bool(calls) == bool(flags)  # the blocks were recomputed only when asked
+    one, two = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("plain", "checkpointed"))
+    assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+    assert any(one[k].abs().max() > 1e-4 for k in one if "lora_B" in k)
+
+
 def test_validation_at_eval_steps_is_the_held_out_examples_loss(vlm_folders, tmp_path):  # noqa: F811
     folder = vlm_folders("gemma3")
     data = write_image_dataset(tmp_path / "data", rows=20)
