@@ -3,10 +3,12 @@ image-text-to-text folder (hf_vision.py) fine-tuned on TRL's vision rows (data/v
 of fixed shapes: S tokens and K image slots, packed without cross-talk (or one example a block
 with --no-packing), through the same Trainer, strategies, checkpoints and resume as text.
 
-What the run does not take yet is one line: DPO, GRPO and reward models on image data, streaming,
-context parallelism. Text data (no image column) with an image-text-to-text folder trains its
-language model through the same blocks: rows without images are image rows with none (chat and
-prompt-completion rows); plain text (causal LM) is one line.
+What the run does not take yet is one line: DPO, GRPO and reward models, streaming, context and
+expert parallelism, --method lm on image rows. Text data (no image column) with an
+image-text-to-text folder: where AutoModelForCausalLM also loads its type (Gemma 3), the
+causal-LM path as before (hf.py); else (LLaVA, Qwen2.5-VL) chat and prompt-completion rows train
+its language model through these same blocks, as image rows with no image, and plain text is one
+line.
 
 final/ holds the model (or LoRA adapters) and the processor (processor.save_pretrained, or the
 tokenizer and image processor side by side where the processor class cannot be built here).
