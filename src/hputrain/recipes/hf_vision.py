@@ -196,12 +196,6 @@ def processor_words(processing) -> str:
 
 # -- what trains -----------------------------------------------------------------------------------
 
-def _inner(model):
-    """The model whose attributes are the family's parts (the tower, the projector, the language
-    model): the ...ForConditionalGeneration's `model`."""
-    return getattr(model, "model", model)
-
-
 def part_prefixes(model) -> dict[str, str]:
     """{"tower", "projector", "language_model"} -> the dotted name prefix of each part in
     `model.named_parameters()` (a bare transformers model, not a PEFT wrapper)."""
