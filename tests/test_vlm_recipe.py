@@ -68,13 +68,13 @@ def model_inputs(processing, example, size: int) -> dict:
 
 
 def reference_loss(folder: Path, data: Path, block_size: int, fmt: str = "messages",
-                   model=None) -> tuple[float, int, int]:
+                   model=None, split: str = "train") -> tuple[float, int, int]:
     """(the token-weighted mean of transformers' per-example loss, the learned tokens, the examples
     longer than the block) over every row of `data`, each example cut to `block_size` tokens."""
     loaded, processing = load_vision(folder)
     model = (model or loaded).eval()
     total, count, cut = 0.0, 0, 0
-    for where, row, base in split_rows(str(data), "train", hf_data.records, hf_data.source_files):
+    for where, row, base in split_rows(str(data), split, hf_data.records, hf_data.source_files):
         example = encode_row(row, fmt, processing, where, base)
         labels = torch.as_tensor(example.labels[:block_size], dtype=torch.long)
         learned = int((labels[1:] != -100).sum())
@@ -373,6 +373,20 @@ def test_validation_at_eval_steps_is_the_held_out_examples_loss(vlm_folders, tmp
     assert [r["step"] for r in evals][:2] == [2, 4] and evals[0]["eval_loss"] != evals[1]["eval_loss"]
     loss, _, _ = reference_loss(out / "final", held, 128)
     assert evals[-1]["eval_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_a_dataset_dicts_own_validation_split_is_evaluated(vlm_folders, tmp_path, capsys):  # noqa: F811
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.load_from_disk(str(save_image_dataset(tmp_path / "rows")))
+    data = tmp_path / "splits"
+    datasets.DatasetDict({"train": rows.select(range(20)), "validation": rows.select(range(20, 24))}
+                         ).save_to_disk(str(data))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert train(out, vlm_folders("llava"), data, "--max-steps", "1", "--save-steps", "-1") == 0
+    assert "validation: the data set's own validation split" in capsys.readouterr().out
+    loss, _, _ = reference_loss(out / "final", data, 128, split="validation")
+    assert [r for r in records(out) if "eval_loss" in r][-1]["eval_loss"] == pytest.approx(loss, abs=1e-5)
 
 
 def test_bf16_trains_near_the_fp32_losses(vlm_folders, image_data, tmp_path):  # noqa: F811
