@@ -126,3 +126,45 @@ def test_the_trainer_trains_the_gpt_on_packed_blocks_as_on_each_example(tmp_path
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     logged = [line for line in lines if '"loss"' in line]
     assert json.loads(logged[0])["loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+def _sliding(kind: str):
+    """A tiny model whose sliding window (4 tokens) is shorter than the examples (7 and 5): Gemma 3
+    (text) and GPT-OSS (eager: its attention sinks have no sdpa path) alternate sliding and full
+    layers (layer_types), Mistral slides in every layer without types."""
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 sliding_window=4, attn_implementation="sdpa")
+    if kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**small, head_dim=8,
+                                               layer_types=["sliding_attention", "full_attention"])
+        return transformers.Gemma3ForCausalLM(config).train()
+    if kind == "gpt_oss":
+        config = transformers.GptOssConfig(**(small | {"attn_implementation": "eager"}), head_dim=8,
+                                           num_local_experts=4,
+                                           num_experts_per_tok=2,
+                                           layer_types=["sliding_attention", "full_attention"])
+        return transformers.GptOssForCausalLM(config).train()
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**small)).train()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss", "mistral"])
+def test_sliding_layers_keep_their_window_in_a_longer_block(block, kind):
+    """The Trainer's packed mask (training/packed.BlockMask) on a model with sliding layers: each
+    example's logits are its own alone, where transformers builds the window itself; one plain
+    block mask for every layer lets the sliding layers see past their window."""
+    from hputrain.training.packed import BlockMask
+
+    model = _sliding(kind)
+    inputs = {"input_ids": block["input_ids"], "position_ids": block["position_ids"]}
+    with torch.no_grad():
+        packed = logits_of(model, **BlockMask.of(model.config)(dict(inputs), block["seq_lens"],
+                                                               torch.float32))
+        plain = logits_of(model, **inputs, attention_mask=packing.block_causal_mask(
+            block["seq_lens"], dtype=torch.float32))
+        for start, n in zip(starts(), LENGTHS):
+            alone = logits_of(model, input_ids=block["input_ids"][:, start:start + n])
+            torch.testing.assert_close(packed[:, start:start + n], alone, atol=1e-5, rtol=0)
+        first = logits_of(model, input_ids=block["input_ids"][:, :LENGTHS[0]])
+        assert (plain[:, :LENGTHS[0]] - first).abs().max() > 1e-4

@@ -218,7 +218,7 @@ def test_gemma3_needs_its_images_seen_both_ways(vlm_folders):  # noqa: F811
         assert torch.allclose(packed_loss(model, dict(batch)), reference, rtol=1e-5, atol=1e-5)
         static_image_merge(model)
         packed = PackedInputs(model, Precision(), model_input_names(model))
-        packed.images.image_token = None  # the plain block-causal mask
+        packed.mask.image_token = None  # the plain block-causal mask
         plain = packed(dict(batch))
         inputs = model_input_names(model)
         loss = model(**{k: v for k, v in plain.items() if k in inputs}).loss

@@ -14,18 +14,21 @@ building it on the device also saves the host-to-device copy. Everything here is
 tensors of static shape (cumsum, scatter, comparisons): nothing is read back to the host, so in
 lazy mode the step's graph is the same every step.
 
+Sliding-window layers: given one 4-D mask, transformers uses it unchanged in every layer, so a
+sliding layer would see past its window in a block longer than the window. A model whose layers
+are typed (`layer_types`: Gemma 2 and 3, GPT-OSS, Cohere 2, OLMo 3, ...) with sliding ones among
+them gets one mask per layer type, {"full_attention": ..., "sliding_attention": ...}, the dict its
+forward takes as it is; the sliding one also drops the keys `sliding_window` or more tokens back
+(transformers' sliding_window_overlay). A model whose every layer slides without types (Mistral)
+gets the window in its one mask. A window at least the block's length changes nothing.
+
 An image-text-to-text model's blocks (data/vision/) get two things more, from the model's family
 (models/vision.py):
 - Gemma 3 (bidirectional_images): the tokens of one image see each other both ways, as
   transformers' own mask for a training batch does (token_type_ids: a contiguous run of image
-  tokens is one group, get_block_sequence_ids_for_mask in its modeling file). The runs are found
-  on the device from `input_ids == image_token_id`, so the batch needs no token_type_ids.
-- a family whose text model has sliding-window layers (Gemma 3) gets one mask per layer type,
-  {"full_attention": ..., "sliding_attention": ...}, the dict its forward takes as it is: given one
-  4-D mask, transformers uses it unchanged in every layer, so a sliding layer would see past its
-  window in a block longer than the window. The sliding one also drops the keys `sliding_window`
-  or more tokens back (transformers' sliding_window_overlay), after the image rule, as its
-  create_masks_for_vision_model does.
+  tokens is one group, get_block_sequence_ids_for_mask in its modeling file), before the window
+  is applied, as its create_masks_for_vision_model does. The runs are found on the device from
+  `input_ids == image_token_id`, so the batch needs no token_type_ids.
 - Qwen's 3-D positions come from the data as [batch, 3, length]; its forward takes them as
   [3, batch, length] (rows: temporal, height, width) and then builds no mask of its own from them.
 """
@@ -52,7 +55,7 @@ class PackedInputs:
     def __init__(self, model: torch.nn.Module, precision, inputs: frozenset[str] | None) -> None:
         self.dtype = mask_dtype(model, precision)
         self.inputs = inputs
-        self.images = ImageAttention.of(getattr(base_model(model), "config", None))
+        self.mask = BlockMask.of(getattr(base_model(model), "config", None))
 
     def __call__(self, batch: dict) -> dict:
         if SEQ_LENS not in batch:
@@ -63,51 +66,63 @@ class PackedInputs:
                              "--no-packing")
         batch = dict(batch)
         seq_lens = batch.pop(SEQ_LENS)
-        if self.images is None:
-            batch["attention_mask"] = block_causal_mask(seq_lens, batch["input_ids"].shape[-1], self.dtype)
-            return batch
-        return self.images(batch, seq_lens, self.dtype)
+        return self.mask(batch, seq_lens, self.dtype)
 
 
-class ImageAttention:
-    """The mask and positions of an image-text-to-text family's packed blocks (see the module
+class BlockMask:
+    """The mask (and, for Qwen, the positions) of a model's packed blocks (see the module
     docstring)."""
 
-    def __init__(self, image_token: int | None, sliding_window: int | None, positions: str) -> None:
+    def __init__(self, image_token: int | None = None, sliding_window: int | None = None,
+                 per_layer_type: bool = False, positions: str = "1d") -> None:
         self.image_token = image_token
         """The image token id whose runs attend both ways (None: causal, as text)."""
         self.sliding_window = sliding_window
-        """The text model's sliding window, when some of its layers have one."""
+        """The window of the model's sliding layers (None: none slides)."""
+        self.per_layer_type = per_layer_type
+        """Some layers slide and some do not: one mask per layer type."""
         self.positions = positions
 
     @classmethod
-    def of(cls, config) -> ImageAttention | None:
-        """For a covered family's config, else None (text models keep the plain mask)."""
+    def of(cls, config) -> BlockMask:
+        """From a transformers config (None, or no sliding layer and no image family: the plain
+        block-causal mask)."""
+        if config is None:
+            return cls()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        window = getattr(text, "sliding_window", None)
+        window = window if isinstance(window, int) and window > 0 else None
+        types = set(getattr(text, "layer_types", None) or ())
+        per_type = "sliding_attention" in types and types <= {"full_attention", "sliding_attention"}
+        if types and not per_type and types != {"sliding_attention"}:
+            window = None  # no layer slides (or a kind of layer this mask does not build)
         family = vision_family(config)
         if family is None:
-            return None
-        text = config.get_text_config()
-        sliding = ("sliding_attention" in (getattr(text, "layer_types", None) or ())
-                   and getattr(text, "sliding_window", None) or None)
-        return cls(image_token_id(config) if family.bidirectional_images else None, sliding,
-                   family.positions)
+            return cls(None, window, per_type and len(types) > 1)
+        return cls(image_token_id(config) if family.bidirectional_images else None, window,
+                   per_type and len(types) > 1, family.positions)
 
     def __call__(self, batch: dict, seq_lens: torch.Tensor, dtype: torch.dtype) -> dict:
         input_ids = batch["input_ids"]
         size = input_ids.shape[-1]
-        allowed = block_causal_mask(seq_lens, size)
-        if self.image_token is not None:
-            allowed = allowed | image_runs(input_ids, self.image_token)[:, None]
         position_ids = batch.get("position_ids")
         if self.positions == "3d" and position_ids is not None and position_ids.dim() == 3:
             batch["position_ids"] = position_ids.transpose(0, 1)  # [3, batch, length]
-        if self.sliding_window is None or self.sliding_window >= size:
+        sliding = self.sliding_window is not None and self.sliding_window < size
+        if self.image_token is None and not sliding:
+            batch["attention_mask"] = block_causal_mask(seq_lens, size, dtype)
+            return batch
+        allowed = block_causal_mask(seq_lens, size)
+        if self.image_token is not None:
+            allowed = allowed | image_runs(input_ids, self.image_token)[:, None]
+        if not sliding:
             batch["attention_mask"] = additive(allowed, dtype)
             return batch
         at = torch.arange(size, device=input_ids.device)
-        window = (at[:, None] - at[None, :]) < self.sliding_window  # kv > q - window
-        batch["attention_mask"] = {"full_attention": additive(allowed, dtype),
-                                   "sliding_attention": additive(allowed & window, dtype)}
+        window = allowed & ((at[:, None] - at[None, :]) < self.sliding_window)  # kv > q - window
+        batch["attention_mask"] = ({"full_attention": additive(allowed, dtype),
+                                    "sliding_attention": additive(window, dtype)}
+                                   if self.per_layer_type else additive(window, dtype))
         return batch
 
 
