@@ -35,7 +35,7 @@ def model_line(trainer, model, options) -> str:
     if options.lora_r:
         peft_config = next(iter(model.peft_config.values()))
         targets = peft_config.target_modules
-        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else targets
+        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list)) else _adapted(model)
         if getattr(peft_config, "target_parameters", None):  # the experts' fused weights
             targets = ", ".join(filter(None, [targets, *sorted(peft_config.target_parameters)]))
         name = f"{_class_name(model.get_base_model())} ({kind}) + LoRA r={options.lora_r} on {targets}"
@@ -43,6 +43,21 @@ def model_line(trainer, model, options) -> str:
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
+
+
+def _adapted(model) -> str:
+    """The layers PEFT adapted, by name ("q_proj, v_proj"), and under which part of an
+    image-text-to-text model ("in the language model and the vision tower"): what a target
+    regular expression (an image-text-to-text model's, recipes/hf_vision.py) selected."""
+    from ..models.vision import vision_family
+
+    names = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    layers = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in names}))
+    family = vision_family(getattr(model, "config", None))
+    if family is None:
+        return layers
+    tower = f".{family.tower}." in "".join(f".{name}." for name in names)
+    return f"{layers} in the language model{' and the vision tower' if tower else ''}"
 
 
 def _class_name(model) -> str:
