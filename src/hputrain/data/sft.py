@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import InputError, did_you_mean
 from .chat import ChatTemplate
 
@@ -76,16 +78,18 @@ def detect_format(columns: Iterable[str]) -> str:
                      "'completion'")
 
 
-def normalize_messages(value, where: str, column: str = "messages") -> list[dict]:
+def normalize_messages(value, where: str, column: str = "messages", message=None) -> list[dict]:
     """A row's list of messages as [{"role", "content", ...}], ShareGPT's from/value mapped.
 
     Keys other than role and content (tool_calls, name) are kept unless None (a data set's
-    struct column fills missing keys with None, which templates would print)."""
+    struct column fills missing keys with None, which templates would print). `message(item,
+    where, k, column)` reads one message (by default a text message; data/vision/rows.py's also
+    takes image parts)."""
     if value is None:
         raise InputError(f"{where}: no messages (the {column!r} value is empty)")
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InputError(f"{where}: {column!r} is {type(value).__name__}, not a list of messages")
-    messages = [_message(item, where, k, column) for k, item in enumerate(value)]
+    messages = [(message or _message)(item, where, k, column) for k, item in enumerate(value)]
     if not messages:
         raise InputError(f"{where}: the conversation in {column!r} is empty")
     return messages
@@ -270,3 +274,15 @@ def sft_dataset(data, tokenizer, block_size: int, *, packing: bool = True,
         raise InputError(f"none of the {rows.rows} rows has anything to learn within {block_size} "
                          "tokens (block_size)")
     return SFTDataset(items, collator, rows, stats)
+
+
+def hold_out(count: int, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the examples trained on, those held out): the last `percentage` percent, at least one."""
+    if percentage <= 0:
+        return np.arange(count), np.arange(0)
+    held_out = max(1, int(count * percentage / 100))
+    if held_out >= count:
+        raise InputError(f"--dataset {path} has {count} example(s), too few to hold "
+                         f"{percentage:g}% out for validation: give more rows, or "
+                         "--validation-split-percentage 0")
+    return np.arange(count - held_out), np.arange(count - held_out, count)

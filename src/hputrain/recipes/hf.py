@@ -19,14 +19,15 @@ from ..config.preference import DPO_DEFAULTS, PreferenceOptions
 from ..errors import InputError, did_you_mean
 from ..errors import first_line as _first_line
 from ..models.vision import describe as describe_vision, is_image_text_to_text
-from .hf_vision import loads_as_causal_lm
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
-                                        folder_task, head_labels, is_adapter_folder, load_adapter,
+                                        folder_task, head_labels, is_adapter_folder,
                                         load_classifier, tokenizer_folder)
-from .hf_adapters import continued_rank, is_linear, lora_settings, moe_experts, tokenizer_source
+from .hf_adapters import (continued_rank, is_linear, lora_settings, moe_experts, tokenizer_source,
+                          with_adapters)
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
 from .hf_common import model_line
 from .hf_methods import data_kind, is_prompts, method_options  # noqa: F401  (imported from here too)
+from .hf_vision import loads_as_causal_lm
 
 METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
 """--method's values."""
@@ -425,16 +426,7 @@ def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | No
                                     labels=labels)
     if tokenizer_folder(folder, base) == folder:
         tokenizer = _load_tokenizer(folder, flag)
-    from ..distributed.fsdp import on_meta
-    from .hf_sharded import load_adapter_values
-
-    meta = on_meta(model)
-    with warnings.catch_warnings():  # onto a meta base, PEFT's copy is a no-op, redone below
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
-        model = load_adapter(model, folder, trainable=trainable, flag=flag)
-    if meta:
-        load_adapter_values(model, folder)
-    return (model.merge_and_unload() if merge else model), tokenizer
+    return with_adapters(model, folder, trainable=trainable, merge=merge, flag=flag), tokenizer
 
 
 def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = False, *,

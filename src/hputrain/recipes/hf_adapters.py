@@ -165,3 +165,23 @@ def is_linear(module) -> bool:
 
     # GPT-2 style models hold their projections in transformers' Conv1D, a transposed Linear.
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def with_adapters(model, folder: Path, *, trainable: bool, merge: bool, flag: str):
+    """`model` (an adapter folder's base, maybe on the meta device for fsdp's sharded loading)
+    with the folder's adapters loaded by PEFT: trainable with `trainable`, merged into the
+    weights with `merge`, else frozen. On a meta base PEFT's copy of the values is a no-op: they
+    are read again once the adapters are on the meta device (hf_sharded.load_adapter_values)."""
+    import warnings
+
+    from ..checkpoint.model_folders import load_adapter
+    from ..distributed.fsdp import on_meta
+    from .hf_sharded import load_adapter_values
+
+    meta = on_meta(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        model = load_adapter(model, folder, trainable=trainable, flag=flag)
+    if meta:
+        load_adapter_values(model, folder)
+    return model.merge_and_unload() if merge else model

@@ -58,19 +58,28 @@ def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int
         raise InputError(f"--model {folder}: its tokenizer has no chat template, so --chat cannot "
                          "render the question: give a model folder whose tokenizer has one "
                          "(tokenizer.chat_template)")
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                            add_generation_prompt=True, return_dict=True)
+    return answer(model, tokenizer, folder, accelerator, list(encoded["input_ids"]),
+                  max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
+
+
+def answer(model, tokenizer, folder, accelerator, prompt: list[int], *, max_new_tokens: int,
+           temperature: float, top_k: int | None, prefill=None) -> ChatAnswer:
+    """The model's answer to the prompt's token ids (an image model's `prefill` beside them:
+    recipes/hf_vision_chat.py), through the static-shape generator on the accelerator's first
+    device, up to the first of its stop tokens."""
     device = accelerator.setup(0)
     model = model.to(device).eval()
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                            add_generation_prompt=True, return_dict=True)
-    prompt = list(encoded["input_ids"])
     pad = next((t for t in (tokenizer.pad_token_id, *stops) if t is not None), None)
     if not stops or pad is None:
         raise InputError(f"--model {folder}: neither its tokenizer nor its generation config "
                          "names an eos token, so the answer has no end")
     engine = StaticGenerator(model, accelerator, max_completion_length=max_new_tokens,
                              eos_token_ids=stops, pad_token_id=pad, graphs=False)
-    rollout = engine.generate([prompt], Sampling(temperature=temperature, top_k=top_k or 0))
+    rollout = engine.generate([prompt], Sampling(temperature=temperature, top_k=top_k or 0),
+                              prefill=prefill)
     length = int(rollout.completion_mask[0].sum())  # the one read back: up to the first stop
     new = rollout.completion_ids[0, :length].tolist()
     return ChatAnswer(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new),

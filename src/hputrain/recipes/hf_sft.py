@@ -92,7 +92,7 @@ def load_sft(path: str, fmt: str, tokenizer, block_size: int, options, *, cache_
         train_part, held_part = np.arange(len(train)), np.arange(len(held))
     else:
         held = train
-        train_part, held_part = _hold_out(len(train), percentage, path)
+        train_part, held_part = sft.hold_out(len(train), percentage, path)
     pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
     blocks, collator, stats = _arrange(train, train_part, block_size, pad, options.packing)
     if not len(blocks):
@@ -114,18 +114,6 @@ def _arrange(examples: Examples, select: np.ndarray, block_size: int, pad: int, 
         blocks, stats = packing.pack_ragged(*flat)
         return blocks, None, stats
     return packing.unpacked_ragged(*flat)
-
-
-def _hold_out(count: int, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(the examples trained on, those held out): the last `percentage` percent, at least one."""
-    if percentage <= 0:
-        return np.arange(count), np.arange(0)
-    held_out = max(1, int(count * percentage / 100))
-    if held_out >= count:
-        raise InputError(f"--dataset {path} has {count} example(s), too few to hold "
-                         f"{percentage:g}% out for validation: give more rows, or "
-                         "--validation-split-percentage 0")
-    return np.arange(count - held_out), np.arange(count - held_out, count)
 
 
 def _add(a: sft.SFTStats, b: sft.SFTStats) -> sft.SFTStats:

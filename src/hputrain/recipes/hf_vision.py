@@ -22,11 +22,11 @@ import re
 import warnings
 from pathlib import Path
 
-from ..checkpoint.model_folders import (adapter_base, is_adapter_folder, load_adapter,
-                                        tokenizer_folder)
+from ..checkpoint.model_folders import adapter_base, is_adapter_folder, tokenizer_folder
 from ..errors import InputError
 from ..errors import first_line as _first_line
 from ..models.vision import is_image_text_to_text, refusal, vision_family
+from .hf_adapters import with_adapters
 
 
 class TokenizerAndImages:
@@ -121,16 +121,7 @@ def load_vision(folder: Path, flag: str = "--model", *, from_scratch: bool = Fal
                                  model.config, flag, image_buckets)
     if base == folder:
         return model, processing
-    from ..distributed.fsdp import on_meta
-    from .hf_sharded import load_adapter_values
-
-    meta = on_meta(model)
-    with warnings.catch_warnings():  # onto a meta base, PEFT's copy is a no-op, redone below
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
-        model = load_adapter(model, folder, trainable=trainable, flag=flag)
-    if meta:
-        load_adapter_values(model, folder)
-    return (model.merge_and_unload() if merge else model), processing
+    return with_adapters(model, folder, trainable=trainable, merge=merge, flag=flag), processing
 
 
 def _load_weights(folder: Path, flag: str, from_scratch: bool, sharded: bool):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
-from ..execution.generation import Prefill, Sampling, StaticGenerator
+from ..execution.generation import Prefill
 from ..models.vision import image_token_id, vision_family
-from .hf_chat import ChatAnswer, stop_token_ids
+from .hf_chat import ChatAnswer, answer
 
 MODEL_INPUTS_LEFT_OUT = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 """What a processor returns that the prefill does not pass as it is: the tokens (the generator
@@ -153,21 +153,8 @@ def vision_answer(folder: Path, question: str, image_paths: list[str], accelerat
     images = open_images(image_paths)
     model, processor, tokenizer, image_processor = load_vision_for_chat(folder, base_model)
     prompt = image_prompt(model, processor, tokenizer, image_processor, question, images)
-    device = accelerator.setup(0)
-    model = model.to(device).eval()
-    stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
-    pad = next((t for t in (tokenizer.pad_token_id, *stops) if t is not None), None)
-    if not stops or pad is None:
-        raise InputError(f"--model {folder}: neither its tokenizer nor its generation config "
-                         "names an eos token, so the answer has no end")
-    engine = StaticGenerator(model, accelerator, max_completion_length=max_new_tokens,
-                             eos_token_ids=stops, pad_token_id=pad, graphs=False)
-    rollout = engine.generate([prompt.ids], Sampling(temperature=temperature, top_k=top_k or 0),
-                              prefill=prompt.prefill)
-    length = int(rollout.completion_mask[0].sum())
-    new = rollout.completion_ids[0, :length].tolist()
-    return ChatAnswer(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new),
-                      len(prompt.ids), stops)
+    return answer(model, tokenizer, folder, accelerator, prompt.ids, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, prefill=prompt.prefill)
 
 
 def _inner(model):

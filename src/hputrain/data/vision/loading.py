@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import InputError
+from ..sft import hold_out
 from ..token_store import check_workers
 from . import blocks
 from .blocks import BlockLayout, BlockStats, ImageBlocks, ImageCollator, Kept
@@ -122,15 +123,3 @@ def choose_slots(options, train: Kept, held: Kept | None, block_size: int) -> in
     if not options.packing:
         return max(1, most)
     return blocks.default_slots(train.counts.tolist(), train.lengths.tolist(), block_size, most)
-
-
-def hold_out(count: int, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(the examples trained on, those held out): the last `percentage` percent, at least one."""
-    if percentage <= 0:
-        return np.arange(count), np.arange(0)
-    held_out = max(1, int(count * percentage / 100))
-    if held_out >= count:
-        raise InputError(f"--dataset {path} has {count} example(s), too few to hold "
-                         f"{percentage:g}% out for validation: give more rows, or "
-                         "--validation-split-percentage 0")
-    return np.arange(count - held_out), np.arange(count - held_out, count)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError, did_you_mean
+from ..sft import normalize_messages
 
 
 @dataclass(frozen=True)
@@ -108,15 +109,9 @@ def conversation(row: Mapping, fmt: str, where: str) -> tuple[list[dict], list[i
 def normalize(value, where: str, column: str) -> list[dict]:
     """A row's messages as [{"role", "content", ...}], content a string or a list of parts
     ({"type": "image"}, {"type": "text", "text": ...}); keys holding None are dropped (a
-    save_to_disk struct fills missing keys with None, which a template would print)."""
-    if value is None:
-        raise InputError(f"{where}: no messages (the {column!r} value is empty)")
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise InputError(f"{where}: {column!r} is {type(value).__name__}, not a list of messages")
-    messages = [_message(item, where, k, column) for k, item in enumerate(value)]
-    if not messages:
-        raise InputError(f"{where}: the conversation in {column!r} is empty")
-    return messages
+    save_to_disk struct fills missing keys with None, which a template would print): text SFT's
+    reading (data/sft.py), each message by `_message`."""
+    return normalize_messages(value, where, column, _message)
 
 
 def _message(item, where: str, k: int, column: str) -> dict:
