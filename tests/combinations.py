@@ -101,11 +101,12 @@ def allowed(case: dict) -> bool:
 def vlm_allowed(case: dict) -> bool:
     """Whether the "vlm" level combines with the case's other levels."""
     if case["method"] not in ("chat", "completion"):
-        return False  # image rows are SFT rows (messages, or prompt + completion); text, preference
-        # pairs and prompts for GRPO have no image path (DPO / GRPO on image data: one line, not yet)
+        return False  # image rows are SFT rows (messages, or prompt + completion); DPO and GRPO on
+        # an image-text-to-text model are refused in one line (REFUSED), text has no image path
     if case["source"] != "file":
-        return False  # image data sets are read whole: a data file (or save_to_disk folder) with its
-        # images beside it; folders of JSON Lines parts and --streaming shards are text only
+        return False  # image data sets are read whole, from a data file with its images beside it
+        # (or a save_to_disk folder): --streaming is refused in one line (REFUSED), and a folder
+        # of JSON Lines parts refuses the image files beside them
     return True
 
 
@@ -240,6 +241,7 @@ class Refusal:
     flags: tuple
     line: str
     processes: bool  # whether the refusal comes from the ranks (needs real processes)
+    model: str = "dense"  # the model level whose folder (and data, for "vlm") it runs on
 
 
 REFUSED = (
@@ -273,14 +275,29 @@ REFUSED = (
     Refusal("ref_precomputed+chat", "chat", ("--precompute-ref-log-probs",),
             "hputrain: error: --precompute-ref-log-probs is for preference pairs (DPO), and "
             "--dataset {dataset} holds none", processes=False),
+    # issue 41: the "vlm" level beside the methods and the source it does not combine with
+    Refusal("dpo+vlm", "dpo", (),
+            "hputrain: error: DPO (--method dpo) on an image-text-to-text model (--model {model}) is "
+            "not supported yet: train it with SFT (--method sft or auto) on image rows",
+            processes=False, model="vlm"),
+    Refusal("grpo+vlm", "grpo", ("--reward-funcs", "{reward_funcs}"),
+            "hputrain: error: GRPO (--method grpo) on an image-text-to-text model (--model {model}) "
+            "is not supported yet: train it with SFT (--method sft or auto) on image rows",
+            processes=False, model="vlm"),
+    Refusal("stream+vlm", "chat", ("--streaming",),
+            "hputrain: error: --streaming reads text shards; an image-text-to-text model's data is "
+            "read whole: leave out --streaming", processes=False, model="vlm"),
 )
 
 
 def refusal_flags(refusal: Refusal, inputs: Inputs) -> tuple[list[str], str]:
     """(the `hputrain train` arguments of a refused pair, the line expected on stderr)."""
-    dataset = inputs.datasets[refusal.method]
+    vlm = refusal.model == "vlm"  # its own image data where it has some (SFT rows)
+    dataset = (inputs.vlm_datasets if vlm and refusal.method in inputs.vlm_datasets
+               else inputs.datasets)[refusal.method]
+    model = inputs.vlm_model if vlm else inputs.model
     flags = [f.format(ref_model=inputs.ref_model, reward_funcs=inputs.reward_funcs)
              for f in refusal.flags]
-    argv = ["--model", inputs.model, "--dataset", dataset, *COMMON, "--validation-split-percentage",
+    argv = ["--model", model, "--dataset", dataset, *COMMON, "--validation-split-percentage",
             "0", *flags]
-    return argv, refusal.line.format(dataset=dataset)
+    return argv, refusal.line.format(dataset=dataset, model=model)
