@@ -449,7 +449,7 @@ def test_data_path_blocks_give_transformers_per_example_loss(processings, vlm_fo
     PackedInputs): the loss sum of transformers' own forward on each (cut) example alone."""
     from hputrain.data.batching import model_input_names
     from hputrain.execution.precision import Precision
-    from hputrain.execution.vision import static_image_merge
+    from hputrain.execution.vision import image_model, static_batches, static_image_merge
     from hputrain.training.packed import PackedInputs
 
     processing = processings(family)
@@ -471,7 +471,8 @@ def test_data_path_blocks_give_transformers_per_example_loss(processings, vlm_fo
         for start in range(0, len(data.train), 2):
             pair = [data.train[i] for i in range(start, start + 2) if i < len(data.train)]
             batch = packed(data.collator(pair))
-            loss = model(**{k: v for k, v in batch.items() if k in names}).loss
+            with static_batches(image_model(model)):  # as the Trainer's forward runs it
+                loss = model(**{k: v for k, v in batch.items() if k in names}).loss
             ours += loss * (batch["labels"][:, 1:] != -100).sum()
     assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5), (float(ours), float(reference))
 

@@ -15,7 +15,7 @@ import torch
 from hputrain.data.batching import model_input_names
 from hputrain.data.vision.blocks import ImageCollator
 from hputrain.execution.precision import Precision
-from hputrain.execution.vision import static_image_merge
+from hputrain.execution.vision import image_model, static_batches, static_image_merge
 from hputrain.models.vision import image_token_id
 from hputrain.training.packed import PackedInputs
 
@@ -144,7 +144,8 @@ def packed_loss(model, batch: dict) -> torch.Tensor:
     static_image_merge(model)
     inputs = model_input_names(model)
     batch = PackedInputs(model, Precision(), inputs)(batch)
-    loss = model(**{k: v for k, v in batch.items() if k in inputs}).loss
+    with static_batches(image_model(model)):  # as training/prepare.Prepared.forward runs it
+        loss = model(**{k: v for k, v in batch.items() if k in inputs}).loss
     return loss * (batch["labels"][:, 1:] != -100).sum()
 
 
@@ -286,7 +287,28 @@ def test_qwen_tower_static_inputs_equal_transformers(sizes):
     expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
     static = copy.deepcopy(model)
     static_image_merge(static)
-    got = static.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    with static_batches(image_model(static)):
+        got = static.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
     assert len(got) == len(expected) == 4
     for a, b in zip(got, expected):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_outside_a_run_qwen_takes_images_of_any_size():
+    """A model trained through the Python API keeps the swaps: outside hputrain's forwards
+    (static_batches), images of different patch counts (what generate gets) are transformers'
+    own features, where the static path would split them wrongly."""
+    from .vlm_fixtures import tiny_vlm_config, vlm_tokenizer, image_processor
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_vlm_config("qwen2_5_vl", vlm_tokenizer()))
+    rng = np.random.default_rng(1)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(56, 56), (56, 112)]]
+    inputs = image_processor("qwen2_5_vl")(images=pictures, return_tensors="pt")
+    assert inputs["image_grid_thw"].prod(-1).tolist() == [16, 32]
+    expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    static_image_merge(model)
+    got = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert [len(g) for g in got] == [len(e) for e in expected] == [4, 8]
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

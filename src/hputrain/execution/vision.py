@@ -40,6 +40,7 @@ Host reads left in the forwards (transformers 5.24), on a static batch:
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
@@ -101,10 +102,41 @@ def _with_video(self, input_ids, inputs_embeds, image_features=None, video_featu
             _placeholders(self, input_ids, inputs_embeds, self.config.video_token_id))
 
 
+_STATIC = "_hputrain_static_batches"
+"""The attribute, on the model that merges image features, that says the forward running is
+hputrain's, on its own blocks (equal patch counts per image): a model trained through the Python
+API keeps the swaps, and its user's later forwards (generate on images of any size) get
+transformers' own image features. An attribute, not a context variable: torch.compile guards on
+it without a graph break."""
+
+
+def image_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module of `model` that merges image features (under any wrapper), or None."""
+    return _inner_model(model)
+
+
+@contextlib.contextmanager
+def static_batches(inner: torch.nn.Module | None):
+    """Inside: `inner`'s (image_model's) swapped image features take the batch as hputrain's
+    blocks make it (training/prepare.Prepared.forward opens it around every forward of a run);
+    None: nothing to do."""
+    if inner is None:
+        yield
+        return
+    setattr(inner, _STATIC, True)
+    try:
+        yield
+    finally:
+        setattr(inner, _STATIC, False)
+
+
 def _static_image_features(self, pixel_values, image_grid_thw=None, return_dict=True, **kwargs):
     """Qwen2.5-VL's get_image_features on images of equal patch counts, the tower's grid inputs
     precomputed without a host read (see the module docstring); the features come back split per
-    image, as transformers' own."""
+    image, as transformers' own. Outside `static_batches`, transformers' own."""
+    if not getattr(self, _STATIC, False):
+        return type(self).get_image_features(self, pixel_values, image_grid_thw,
+                                             return_dict=return_dict, **kwargs)
     tower = self.visual
     images = image_grid_thw.shape[0]
     kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}

@@ -68,7 +68,9 @@ def image_format(options) -> str:
 
 def load_image_rows(options, processing, block_size: int, cache_dir):
     """The data set's ImageData (data/vision/loading.py): its rows read as the text recipe reads
-    them (hf_data.records), each image path relative to its data file."""
+    them (hf_data.records), each image path relative to its data file; the encoded examples
+    cached in `cache_dir` under a key of the split's data files and the tokenizer's (a rerun
+    reads them back; an image file edited in place is not in the key)."""
     from ..data.vision.loading import load_image_data
     from ..data.vision.rows import split_rows
     from . import hf_data
@@ -79,9 +81,16 @@ def load_image_rows(options, processing, block_size: int, cache_dir):
         processing.processor.chat_template = processing.tokenizer.chat_template
     fmt = image_format(options)
     path = options.dataset
+
+    def cache_key(split: str) -> str:  # the split's files and the tokenizer's, as text SFT keys them
+        kind, files = hf_data.source_files(path, split)
+        return hf_data.cache_key(kind, Path(path), files, processing.tokenizer,
+                                 processing.tokenizer.name_or_path, 0, fmt,
+                                 split if kind == "saved" else None, ["images"])
+
     return load_image_data(path, fmt, processing, block_size, options, cache_dir,
                            rows=lambda split: split_rows(path, split, hf_data.records, hf_data.source_files),
-                           splits=hf_data.saved_splits(path))
+                           splits=hf_data.saved_splits(path), cache_key=cache_key)
 
 
 def check_run(options, training_args) -> None:
@@ -199,8 +208,15 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
             f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
             f"to learn, {stats.truncated} cut to {block_size} tokens (--block-size), "
             f"{stats.labels_cut} learned tokens cut\n"
-            f"hputrain: {shape}, from {options.dataset}\n"
+            f"hputrain: {shape}, from {options.dataset}{_cached(data)}\n"
             f"hputrain: validation: {validation}")
+
+
+def _cached(data) -> str:
+    """" (cached in DIR)" or " (from the cache DIR)": where the encoded examples are."""
+    if data.cache_file is None:
+        return ""
+    return f" ({'from the cache' if data.from_cache else 'cached in'} {data.cache_file})"
 
 
 def _parts(model, options) -> str:

@@ -28,7 +28,7 @@ from ..distributed.activation_checkpointing import apply_activation_checkpointin
 from ..execution import kernels as device_kernels
 from ..execution.experts import parallel as expert_parallel
 from ..execution import modes as execution
-from ..execution.vision import static_image_merge
+from ..execution.vision import image_model, static_batches, static_image_merge
 from ..models.vision import vision_family
 from .packed import PackedInputs
 
@@ -48,6 +48,9 @@ class Prepared:
     """The keyword inputs the model's forward takes (None: it takes **kwargs only)."""
     packed: PackedInputs
     """A packed block's `seq_lens` -> its block mask, on the device (training/packed.py)."""
+    images: torch.nn.Module | None = None
+    """An image-text-to-text model's module that merges image features, told around each
+    forward that the batch is hputrain's blocks (execution/vision.static_batches)."""
 
     def forward(self, module: torch.nn.Module, batch, **loss_kwargs):
         """`module` (the wrapped model, or another view of it) on a batch: a dict by keyword (its
@@ -55,8 +58,9 @@ class Prepared:
         for a model that takes them; a list or tuple by position; else the batch itself."""
         if isinstance(batch, dict):
             batch, inputs = self.packed(batch), self.inputs
-            return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
-                          **loss_kwargs)
+            with static_batches(self.images):  # an image model's blocks (execution/vision.py)
+                return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
+                              **loss_kwargs)
         if isinstance(batch, (list, tuple)):
             return module(*batch)
         return module(batch)
@@ -72,8 +76,10 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         accelerator.attention_recompute = args.attention_recompute
     with _real_tensors():
         kernels = device_kernels.substitute(model, accelerator, args.fused_kernels)
+    images = None
     if vision_family(getattr(model, "config", None)) is not None:
         static_image_merge(model)
+        images = image_model(model)
     if getattr(args, "expert_parallel_size", 1) > 1:  # the forward the strategy's split selects
         expert_parallel.register()
     placed = precision.convert_module(model)
@@ -87,7 +93,7 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         wrapped = accelerator.wrap_graph_training(wrapped)
     elif capture and accelerator.execution_mode == "compile":
         wrapped = execution.compile_model(wrapped, settings.execution, accelerator)
-    return Prepared(placed, wrapped, kernels, inputs, packed)
+    return Prepared(placed, wrapped, kernels, inputs, packed, images)
 
 
 @contextlib.contextmanager
