@@ -5,8 +5,6 @@ graphs in the warm-up steps and none after, and read nothing back to the host in
 static image merge (execution/vision.py) and the device-built masks (training/packed.py) hold the
 step's graph fixed."""
 import copy
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -51,21 +49,8 @@ class StepReads(Callback):
         self.per_step.append(self.reads.count - self._before)
 
 
-def as_published(family: str, folder, tmp_path):
-    """The tiny folder; Gemma 3's without SigLIP's attention-pooling head, as every published
-    Gemma 3 has it (vision_use_head false: the model reads the tower's last hidden state, and the
-    head's nn.MultiheadAttention meets gaps of the CPU lazy backend that Gaudi has not)."""
-    if family != "gemma3":
-        return folder
-    copied = shutil.copytree(folder, tmp_path / "gemma3")
-    config = json.loads((copied / "config.json").read_text())
-    config["vision_config"]["vision_use_head"] = False
-    (copied / "config.json").write_text(json.dumps(config))
-    return copied
-
-
 def train(family: str, folder, tmp_path, mode: str, callbacks=()) -> dict:
-    f = Family(family, as_published(family, folder, tmp_path))
+    f = Family(family, folder)
     data = blocks(f)
     counts = [[int(b["image_count"]) for b in data[i:i + BATCH]] for i in range(0, len(data), BATCH)]
     places = {tuple(torch.cat([b["input_ids"] for b in data[i:i + BATCH]]).eq(f.image_token).nonzero()[:, 0].tolist())
@@ -112,7 +97,7 @@ def test_doctor_finds_nothing_in_packed_image_blocks(family, vlm_folders, image_
     """`hputrain doctor --steps 6 vlm.py FOLDER DATA`: the image data path's blocks (buckets,
     slots, the real-first collator) through the Trainer: no recompilation after warm-up and no
     host read; eager ops, if any, are the CPU lazy backend's own."""
-    folder = as_published(family, vlm_folders(family), tmp_path)
+    folder = vlm_folders(family)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")  # run() sets it; put back afterwards
     report = doctor.run(str(SCRIPT), [str(folder), str(image_data("messages"))], steps=STEPS, warmup=WARMUP)

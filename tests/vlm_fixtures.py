@@ -1,6 +1,7 @@
 """Tiny vision-language model folders and image data sets as a user would have them on disk:
-LLaVA (CLIP tower + Llama), Gemma 3 (SigLIP tower, pooled to 4 image tokens, bidirectional
-attention over an image) and Qwen2.5-VL (dynamic-resolution patches, 3-D multimodal RoPE), each
+LLaVA (CLIP tower + Llama), Gemma 3 (SigLIP tower without its attention-pooling head, as the
+published Gemma 3 checkpoints have it, pooled to 4 image tokens, bidirectional attention over an
+image) and Qwen2.5-VL (dynamic-resolution patches, 3-D multimodal RoPE), each
 written by `save_pretrained` with a byte-level BPE tokenizer trained in the test (nothing is
 downloaded).
 
@@ -88,7 +89,8 @@ def tiny_vlm_config(family: str, tokenizer, **overrides):
     elif family == "gemma3":
         config = transformers.Gemma3Config(
             text_config=transformers.Gemma3TextConfig(**text, head_dim=8, sliding_window=512),
-            vision_config=transformers.SiglipVisionConfig(**_vision()), mm_tokens_per_image=4,
+            vision_config=transformers.SiglipVisionConfig(**_vision(), vision_use_head=False),
+            mm_tokens_per_image=4,
             image_token_id=ids("<image_soft_token>"), boi_token_id=ids("<start_of_image>"),
             eoi_token_id=ids("<end_of_image>"))
     elif family == "qwen2_5_vl":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import warnings
 from pathlib import Path
 
 from ..errors import InputError
@@ -119,6 +120,11 @@ def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
     check_run(options, training_args)
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
+    # The model's output holds its vision tower's (image_outputs), views among them; FSDP2 warns
+    # at every root forward that an in-place op on one would skip its hook. The run only takes
+    # the loss from the output, so the warning says nothing to the user.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) "
+                            "returned a view tensor")
     # The collator makes exactly the model's inputs from the blocks (their image_count included).
     # A trained tower holds weights its features never reach (LLaVA's layers past its feature
     # layer and CLIP's post-norm, SigLIP's pooling head): DDP is told to expect them.
