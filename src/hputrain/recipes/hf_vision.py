@@ -74,6 +74,10 @@ def vision_config(folder: Path, base_model: str | None = None, *, images: bool =
         return None
     if vision_family(config) is None:
         raise InputError(f"--model {folder}: {refusal(config.model_type)}")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise InputError(f"--model {folder}: fine-tuning an image-text-to-text model needs "
+                         f"transformers 5 or newer (this is {transformers.__version__}): "
+                         "pip install -U transformers")
     return config
 
 
