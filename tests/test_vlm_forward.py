@@ -174,7 +174,9 @@ def compare(reference_model, model, reference: torch.Tensor, ours: torch.Tensor)
     expected, got = gradients(reference_model), gradients(model)
     assert expected.keys() == got.keys()
     for name, grad in expected.items():
-        assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-5), name
+        # float rounding grows with the tensor's scale (Gemma 3's projector gradients reach 1e3)
+        scale = max(1.0, float(grad.abs().max()))
+        assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-5 * scale), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)

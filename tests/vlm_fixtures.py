@@ -138,6 +138,9 @@ def tiny_vlm_folder(folder: Path, family: str = "llava", seed: int = 0, tagged: 
     torch.manual_seed(seed)
     config = tiny_vlm_config(family, tokenizer, **config_overrides)
     model = transformers.AutoModelForImageTextToText.from_config(config)
+    if family == "gemma3":  # transformers draws its projection as zeros: no image would matter
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        torch.nn.init.normal_(weight.data, std=weight.shape[0] ** -0.5)
     model.save_pretrained(folder)
     images = image_processor(family)
     if family == "llava":
