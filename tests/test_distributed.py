@@ -75,6 +75,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_two_nodes_started_by_environment_variables(tmp_path, reference):
     """Lightning's multi-node recipe: the same command on every node, with MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE and NODE_RANK set; the Trainer launches its share of processes."""
@@ -98,6 +99,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert "rank 1 failed (exit code -9)" in proc.stderr
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_max_restarts_resumes_from_the_checkpoint(tmp_path, reference):
     proc, _ = hputrain_launch("--nproc-per-node", "2", "--max-restarts", "1", SCRIPT, str(tmp_path), "4",
                               "ddp", "--kill-rank", "1", "--kill-step", "8")

@@ -132,6 +132,7 @@ def test_doctor_llama_padded_to_a_fixed_length_is_clean(llama):
     assert any(n.startswith("left out of the findings") and "sin (6x)" in n for n in report["notes"])
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_doctor_llama_ragged_lengths_recompile(llama):
     report = llama("ragged")
     assert kinds(report) == ["recompilation"] and report["shapes"]["growing"]
@@ -185,6 +186,7 @@ def test_doctor_llama_padded_to_a_multiple_is_bounded(llama):
                                                                              "[4, L], L = 16, 32, 48")
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_doctor_llama_all_ones_attention_mask(llama):
     """run_clm's blocks carry an attention_mask of ones, which transformers reads every step: the
     read is put on the user's line, inside transformers' file, with the fix."""
@@ -195,6 +197,7 @@ def test_doctor_llama_all_ones_attention_mask(llama):
     assert "is all ones: leave attention_mask out of the batches" in message
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_doctor_llama_padding_mask(llama):
     """A mask with padding builds a boolean attention mask by integer indexing: both stay in the
     graph (no index.Tensor, no logical_not fallback); the read of the mask is the finding."""

@@ -91,6 +91,7 @@ def llama_single(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_untied_embedding_and_head_are_units_of_their_own_and_train_as_one_process(tmp_path, llama_single):
     """Issue 39 item 15: a Llama with untied embeddings has its input embedding and its head
     sharded as units of their own (the embedding not gathered again in backward), and 2 ranks
@@ -116,6 +117,7 @@ def test_untied_units_with_activation_checkpointing_equal_one_process(tmp_path, 
     assert_same_run(llama_single, out)
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_accumulation_and_checkpointing_equal_plain_fsdp(tmp_path, fsdp_two):
     """Two micro-batches of 2 (no reduce-scatter on the first) with every block checkpointed:
     the same run as one micro-batch of 4 without checkpointing."""

@@ -152,6 +152,7 @@ def launch_mesh(tmp_path, nproc, *sizes):
     return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(nproc)]
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_mesh_of_four_processes_with_cp2(tmp_path):
     ranks = launch_mesh(tmp_path, 4, 2)
     for rank, facts in enumerate(ranks):

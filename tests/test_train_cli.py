@@ -107,6 +107,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
     assert state["global_step"] == int(saved[0].name.split("-")[1])
 
 
+@pytest.mark.slow  # 10-23 s; `make test-slow` runs it (keeps `make test` near 20 minutes)
 def test_train_in_fp8_and_generate_from_its_checkpoint(tmp_path, corpus):
     out = tmp_path / "fp8"
     rc, stdout, stderr = hputrain("train", "--corpus", str(corpus), "--output-dir", str(out), *SMALL,
