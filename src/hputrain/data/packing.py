@@ -30,6 +30,7 @@ eager and sdpa paths, whatever use_cache says.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -67,6 +68,16 @@ class PackingStats:
     def padding_fraction(self) -> float:
         total = self.tokens + self.padding
         return self.padding / total if total else 0.0
+
+    def add(self, other: PackingStats) -> None:
+        """Count `other`'s (another split's) in these: every count, a subclass's too, but the
+        ones that describe the shape both share (`SHARED`)."""
+        for f in dataclasses.fields(self):
+            if f.name not in self.SHARED:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    SHARED = ()
+    """Fields both splits have alike (not summed by `add`)."""
 
 
 def truncate(examples: list[dict], max_length: int) -> tuple[list[dict], PackingStats]:

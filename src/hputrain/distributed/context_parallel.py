@@ -173,3 +173,15 @@ class ContextParallel(NoContextParallel):
 
 def _is_sequence(value, length: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == length
+
+
+def context_parallel_of(group, inputs: frozenset[str] | None) -> NoContextParallel:
+    """The context parallelism of a run on `group` (its cp_size, cp_group, cp_rank): none when
+    the size is 1; else one line when the model's forward (its keyword `inputs`) takes no
+    position_ids (each rank holds a slice of the sequence at an offset)."""
+    if group.cp_size == 1:
+        return NoContextParallel()
+    if inputs is not None and "position_ids" not in inputs:
+        raise InputError("context parallelism needs a model whose forward takes position_ids "
+                         "(each rank holds a slice of the sequence at an offset)")
+    return ContextParallel(group.cp_group, group.cp_rank, group.cp_size)

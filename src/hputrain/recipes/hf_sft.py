@@ -101,8 +101,7 @@ def load_sft(path: str, fmt: str, tokenizer, block_size: int, options, *, cache_
     validation, more = None, packing.PackingStats()
     if len(held_part):
         validation, _, more = _arrange(held, held_part, block_size, pad, options.packing)
-    for name in ("examples", "blocks", "truncated", "labels_cut", "nothing_to_learn", "tokens", "padding"):
-        setattr(stats, name, getattr(stats, name) + getattr(more, name))
+    stats.add(more)
     return SFTData(fmt, blocks, validation if validation is not None and len(validation) else None,
                    collator, rows, stats, cache_file, from_cache, own_validation=own)
 

@@ -257,10 +257,8 @@ def host_split_points():
         with unset_fake_temporarily():
             side = tower.window_size // tower.patch_size
             real = original(tower, patches, images, torch.full(tuple(grid_thw.shape), side))
-        for key in ("cu_seqlens", "cu_window_seqlens"):
-            if key in found and found[key].device.type == "cpu":
-                found[key] = real[key]
-        return found
+        # the split points: what _grid_inputs keeps on the host, the tower splits by them there
+        return found | {key: real[key] for key in ("cu_seqlens", "cu_window_seqlens")}
 
     vision._grid_inputs = grid_inputs
     try:

@@ -37,7 +37,7 @@ from ..config.sections import Sections
 from ..data.batching import (LABEL_NAMES, DropUnusedColumns, LoaderOptions, MicroBatches,
                              default_collator_for, host_can_pin, to_device)
 from ..distributed import ProcessGroup, select_strategy
-from ..distributed.context_parallel import ContextParallel, NoContextParallel
+from ..distributed.context_parallel import context_parallel_of
 from ..distributed.fsdp import reshard
 from ..distributed.launch import needs_launch, relaunch_current_program
 from ..distributed.launchers import adopt_launcher_env
@@ -124,7 +124,7 @@ class Trainer(CallbackHost):
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
         self.router = router_of(self.model, args, self.group, self.inputs, self.device)  # MoE
-        self.context_parallel = self._context_parallel()
+        self.context_parallel = context_parallel_of(self.group, self.inputs)
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
         self._step_tokens = self._step_seen = 0  # counted tokens of the step's global batch (loss.py)
@@ -378,14 +378,6 @@ class Trainer(CallbackHost):
         with (self.accelerator.forward_context(), self.context_parallel.forward_context(),
               self.precision.forward_context()):
             yield
-
-    def _context_parallel(self):
-        if self.group.cp_size == 1:
-            return NoContextParallel()
-        if self.inputs is not None and "position_ids" not in self.inputs:
-            raise InputError("context parallelism needs a model whose forward takes position_ids "
-                             "(each rank holds a slice of the sequence at an offset)")
-        return ContextParallel(self.group.cp_group, self.group.cp_rank, self.group.cp_size)
 
     def _device_zero(self) -> torch.Tensor:
         """A zero made on the host and copied over: in lazy mode a copy is graph input data, where

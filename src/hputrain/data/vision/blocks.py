@@ -60,11 +60,7 @@ class BlockStats(packing.PackingStats):
         total = self.images + self.padding_slots
         return self.padding_slots / total if total else 0.0
 
-    def add(self, other: BlockStats) -> None:
-        """Count `other`'s examples, blocks and images in these (the slots are the same)."""
-        for name in ("rows", "examples", "blocks", "truncated", "labels_cut", "nothing_to_learn",
-                     "tokens", "padding", "images", "padding_slots"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+    SHARED = ("slots",)  # add() sums the rest: the splits' blocks have one K
 
 
 # -- what is kept of the examples -------------------------------------------------------------------
