@@ -125,11 +125,10 @@ def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
     # the loss from the output, so the warning says nothing to the user.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) "
                             "returned a view tensor")
-    # The collator makes exactly the model's inputs from the blocks (their image_count included).
     # A trained tower holds weights its features never reach (LLaVA's layers past its feature
     # layer and CLIP's post-norm, SigLIP's pooling head): DDP is told to expect them.
     training_args = dataclasses.replace(
-        training_args, remove_unused_columns=False,
+        training_args,
         ddp_find_unused_parameters=training_args.ddp_find_unused_parameters or options.train_vision_tower)
     model, processing = load_vision(folder, from_scratch=options.from_scratch,
                                     sharded=loads_sharded(training_args), base_model=options.base_model,
@@ -266,8 +265,7 @@ def evaluate_vision(options, folder: Path, *, batch_size: int = 8, precision: st
     with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
         data = load_image_rows(options, processing, block_size, options.cache_dir or scratch)
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
-                                 precision=precision, report_to="none", disable_tqdm=True,
-                                 remove_unused_columns=False)  # the collator makes the inputs
+                                 precision=precision, report_to="none", disable_tqdm=True)
         trainer = Trainer(model, args, data_collator=data.collator)
         metrics = trainer.evaluate(data.train)
         tokens = sum(trainer.count_tokens({"labels": block["labels"][None]}) for block in data.train)

@@ -40,8 +40,7 @@ def measure_step(step: StepModel, args, output_dir: str) -> tuple[Trace, bool]:
         trainer = _grpo_trainer(step, args, model, peak)
     elif getattr(step.vision, "blocks", None) is not None:  # image blocks, the run's collator
         samples = step.vision.blocks.blocks(args.per_device_train_batch_size) * copies
-        trainer = Trainer(model, dataclasses.replace(args, remove_unused_columns=False),
-                          train_dataset=samples, callbacks=[peak],
+        trainer = Trainer(model, args, train_dataset=samples, callbacks=[peak],
                           data_collator=step.vision.collator())  # it makes the inputs, as in the run
     elif step.preference is None:
         batch = step.batch(args.per_device_train_batch_size)  # packed blocks where the run packs

@@ -38,14 +38,15 @@ import torch
 
 from ..data.batching import base_model
 from ..data.packing import block_causal_mask
+from ..data.vision.blocks import IMAGE_COUNT  # read by the image collator, never the model
 from ..errors import InputError
 from ..models.vision import image_token_id, vision_family
 
 SEQ_LENS = "seq_lens"
 """The batch key of a packed block's example lengths."""
 
-PACKING_KEYS = frozenset({SEQ_LENS})
-"""Batch keys the model never takes but the Trainer keeps in batches (see `model_inputs`)."""
+PACKING_KEYS = frozenset({SEQ_LENS, IMAGE_COUNT})
+"""Batch keys the model never takes but the Trainer keeps in samples (see `model_inputs`)."""
 
 
 class PackedInputs:

@@ -36,6 +36,9 @@ from ..packing import IGNORE_INDEX
 from ..token_store import Ragged
 from .encode import check_fits
 
+IMAGE_COUNT = "image_count"
+"""A block's key of its real images' count, which ImageCollator reads (and drops)."""
+
 LENGTH_BUCKETS = 4
 """Unpacked (--no-packing): the block lengths an example is padded to (the smallest that holds
 it), spaced evenly up to the block size."""
@@ -255,7 +258,7 @@ class BlockLayout:
         # Padding slots: a blank image of the first bucket.
         images += [self.processing.blank(0)] * (self.slots - count)
         block = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-                 "seq_lens": seq_lens, **stack_images(images), "image_count": torch.tensor(count)}
+                 "seq_lens": seq_lens, **stack_images(images), IMAGE_COUNT: torch.tensor(count)}
         return block
 
     def positions(self, ids: torch.Tensor, pixels: list[dict]) -> torch.Tensor:
@@ -323,7 +326,7 @@ class ImageCollator:
         blocks = [self.pad(b, size) for b in blocks]
         batch = {name: torch.stack([b[name] for b in blocks])
                  for name in ("input_ids", "labels", "position_ids", "seq_lens")}
-        counts = [int(b["image_count"]) for b in blocks]
+        counts = [int(b[IMAGE_COUNT]) for b in blocks]
         grids = "image_grid_thw" in blocks[0]
         slots = blocks[0]["image_grid_thw" if grids else "pixel_values"].shape[0]
         order = torch.tensor([b * slots + s for b, n in enumerate(counts) for s in range(n)]
