@@ -92,6 +92,73 @@ def test_yaml_file_reads_as_its_json_twin(tmp_path):
     assert from_yaml.learning_rate == 1e-5 and from_yaml.max_steps == 10
 
 
+YAML_WORDS = """save_strategy: no
+eval_strategy: no
+report_to: none
+lr_scheduler_type: constant
+bf16: yes
+use_cpu: off
+fused_kernels: on
+greater_is_better: No
+output_dir: runs/no
+"""
+
+
+def test_yaml_words_keep_the_field_type(tmp_path):
+    """Issue 46 item 14: YAML 1.1 (PyYAML) reads no, on, off and yes as booleans, so a string
+    field given one was refused ("must be str or null, got False"). A string field keeps the word
+    written; a bool field takes yes/on as true and no/off as false, as TRL's YAML 1.1 loader
+    means them; the same settings in JSON say the same."""
+    (tmp_path / "c.yaml").write_text(YAML_WORDS)
+    args = TrainingArguments.from_file(tmp_path / "c.yaml")
+    twin = TrainingArguments(save_strategy="no", eval_strategy="no", report_to="none",
+                             lr_scheduler_type="constant", bf16=True, use_cpu=False,
+                             fused_kernels=True, greater_is_better=False, output_dir="runs/no")
+    assert args == twin
+    assert args.save_steps == -1 and args.eval_steps == 0 and args.report_to == []
+    assert (args.bf16, args.fused_kernels, args.greater_is_better) == (True, True, False)
+    from hputrain.config.fields import read_mapping
+
+    assert read_mapping(tmp_path / "c.yaml")["save_strategy"] == "no"
+    assert type(TrainingArguments.from_file(tmp_path / "c.yaml").output_dir) is str  # not YamlWord
+
+
+@pytest.mark.parametrize("text, match", [
+    ("lr_scheduler_type: on\n", r"lr_scheduler_type must be one of .*; got 'on'$"),
+    ("bf16: maybe\n", r"bf16 in config file .* must be bool \(true or false\), got 'maybe'$"),
+    ("bf16: y\n", r"bf16 in config file .* must be bool \(true or false\), got 'y'$"),
+    ("max_steps: off\n", r"max_steps in config file .* must be int, got 'off'$"),
+])
+def test_yaml_words_that_fit_no_field_are_one_line(tmp_path, text, match):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        TrainingArguments.from_file(tmp_path / "c.yaml")
+
+
+def test_yaml_no_on_the_command_line(capsys, monkeypatch, tmp_path):
+    """`hputrain train --config c.yaml` with save_strategy: no takes it (the run then stops at the
+    missing corpus, as every setting was read); lr_scheduler_type: on is one line, exit 2."""
+    from hputrain.cli import main
+
+    monkeypatch.setenv("HPUTRAIN_CONFIG_FILE", str(tmp_path / "none.json"))
+    missing = tmp_path / "missing"
+    (tmp_path / "c.yaml").write_text(f"save_strategy: no\neval_strategy: no\ncorpus: {missing}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(missing) in err and "save_strategy" not in err, err
+    (tmp_path / "c.yaml").write_text(f"lr_scheduler_type: on\ncorpus: {missing}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lr_scheduler_type must be one of" in err and "got 'on'" in err, err
+
+
+def test_json_keeps_its_types(tmp_path):
+    """JSON has its own booleans: a string in a bool field stays an error there."""
+    (tmp_path / "c.json").write_text(json.dumps({"bf16": "yes"}))
+    with pytest.raises(ConfigError, match=r"bf16 .* must be bool \(true or false\), got 'yes'"):
+        TrainingArguments.from_file(tmp_path / "c.json")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         TrainingArguments.from_file(tmp_path / "nope.json")

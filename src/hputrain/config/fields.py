@@ -60,15 +60,18 @@ def _coerce(cls, name: str, value, where: str):
     kind, optional = base_type(cls.__dataclass_fields__[name].type)
     if value is None and optional:
         return None
+    if isinstance(value, YamlWord):  # YAML 1.1's yes/no/on/off: true/false for a bool field only
+        value = value.truth if kind is bool else str(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
+        return [str(v) for v in value]
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
     if isinstance(value, str) and str in typing.get_args(_hint(cls.__dataclass_fields__[name].type)):
         return value  # a field such as report_to takes one name or a list of them
-    raise ConfigError(f"{name} in {where} must be {kind.__name__}"
+    expected = "bool (true or false)" if kind is bool else kind.__name__
+    raise ConfigError(f"{name} in {where} must be {expected}"
                       f"{' or null' if optional else ''}, got {value!r}")
 
 
@@ -93,15 +96,33 @@ def read_mapping(path: str | Path) -> dict:
     return data
 
 
+class YamlWord(str):
+    """A YAML scalar that YAML 1.1 reads as a boolean and YAML 1.2 as text (yes, no, on, off, in
+    PyYAML's spellings): a string field keeps the word written (`save_strategy: no`), a bool field
+    takes its truth (`bf16: yes`), as TRL's YAML 1.1 configs mean it."""
+
+    @property
+    def truth(self) -> bool:
+        return self.lower() in ("yes", "on")
+
+
 def _load_yaml(text: str):
     """A YAML document's value, as TRL's and most fine-tuning tools' config files are written.
-    PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; YAML 1.2 and every such tool read
-    it as the number it is, and so does this loader."""
+    PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string and `no`, `on`, `off`, `yes` are
+    booleans; YAML 1.2 reads the first as the number it is, and only true and false as booleans.
+    This loader does both as YAML 1.2 does; the four words load as YamlWord."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
+    Loader.yaml_implicit_resolvers = {  # PyYAML's, less YAML 1.1's booleans
+        first: [(tag, pattern) for tag, pattern in resolvers if tag != _YAML_BOOL]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(_YAML_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver(_YAML11_WORD, _YAML11_WORDS, list("yYnNoO"))
+    Loader.add_constructor(_YAML11_WORD, lambda loader, node: YamlWord(loader.construct_scalar(node)))
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
     try:
         return yaml.load(text, Loader=Loader)
@@ -111,6 +132,9 @@ def _load_yaml(text: str):
         raise ValueError(f"{getattr(exc, 'problem', None) or exc}{where}") from None
 
 
+_YAML_BOOL, _YAML11_WORD = "tag:yaml.org,2002:bool", "tag:hputrain,2025:yaml11-bool-word"
+_YAML11_WORDS = re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$")
+"""The words PyYAML's YAML 1.1 bool resolver takes beside true and false."""
 _YAML_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)$")
 """A number with an exponent and no dot (1e-5, 3E+2), which YAML 1.1's float pattern misses."""
 
