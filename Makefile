@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-oldest bench
+.PHONY: setup demo test test-slow test-oldest test-bf16-both test-bf16-auto bench
 
 # torch is pinned to the CPU build on our machines; a looser requirement would pull CUDA wheels.
 $(STAMP): pyproject.toml
@@ -47,6 +47,20 @@ test-oldest: $(OLDEST)/.installed
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# precision="auto" picks bf16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm's BF16) and fp32
+# elsewhere; a test must hold on both (docs/contributing.md). CI runs the tests that read back what
+# "auto" picked (marked bf16_auto, in the files listed here: a test checks the list) with bf16 taken
+# as native, then as emulated (the switch HPUTRAIN_CPU_NATIVE_BF16); test-bf16-auto runs the whole
+# suite as a CPU of the other kind than this one would.
+BF16_AUTO_TESTS := tests/test_cpu_bf16.py tests/test_grpo.py
+
+test-bf16-both: $(STAMP)
+	$(BIN)/python -m pytest -q -m bf16_auto $(BF16_AUTO_TESTS) --cpu-bf16=native
+	$(BIN)/python -m pytest -q -m bf16_auto $(BF16_AUTO_TESTS) --cpu-bf16=emulated
+
+test-bf16-auto: $(STAMP)
+	$(BIN)/python -m pytest -q --cpu-bf16=opposite
 
 bench: $(STAMP)
 	$(BIN)/python bench/trainer_overhead.py

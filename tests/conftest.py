@@ -1,4 +1,5 @@
-"""Shared fixtures: the fake Gaudi runtime, device markers."""
+"""Shared fixtures: the fake Gaudi runtime, device markers, and the switch that decides which way
+precision="auto" goes on the CPU (--cpu-bf16)."""
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,50 @@ _HPU_ENV = ("PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT", "PT_HPU_AUTOCAST_LOWE
             "PT_HPU_AUTOCAST_FP32_OPS_LIST", "PT_HPU_FP8_MINIMIZE_MEMORY", "HPUTRAIN_ACCELERATOR")
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+# precision="auto" picks bf16 on a CPU with native bf16 and fp32 elsewhere, so a test that assumes
+# either passes on one kind of CPU and fails on the other. The switch (accelerators/cpu.py) makes
+# this CPU answer either way; set here, before any test module is imported, it reaches the tests'
+# own processes and every subprocess (their environments copy os.environ).
+CPU_BF16 = {"native": "1", "emulated": "0"}
+SWITCH = "HPUTRAIN_CPU_NATIVE_BF16"  # accelerators/cpu.NATIVE_BF16_SWITCH, named without importing it
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-bf16", choices=[*CPU_BF16, "opposite"], default=None,
+                     help="take bf16 on this CPU as native (precision='auto' picks bf16) or emulated "
+                          "(fp32), or the opposite of what this CPU says, by setting "
+                          "HPUTRAIN_CPU_NATIVE_BF16 for the run (default: the CPU decides)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bf16_auto: reads back what precision='auto' picked; "
+                                       "make test-bf16-both runs these with bf16 taken both ways")
+    choice = config.getoption("--cpu-bf16")
+    if choice is None:
+        return
+    if choice == "opposite":
+        from hputrain.accelerators.cpu import CPUAccelerator
+
+        os.environ.pop(SWITCH, None)  # this CPU's own answer, then the other one
+        choice = "emulated" if CPUAccelerator().native_bf16() else "native"
+    os.environ[SWITCH] = CPU_BF16[choice]
+
+
+def auto_dtype() -> str:
+    """The dtype precision="auto" picks on this CPU, as a header names it: what a test that runs
+    with "auto" (the built-in recipes' default) asserts, rather than assuming float32."""
+    from hputrain.accelerators.cpu import CPUAccelerator
+
+    return "bfloat16" if CPUAccelerator().native_bf16() else "float32"
+
+
+def pytest_report_header(config):
+    value = os.environ.get(SWITCH, "").strip()
+    if value:
+        return f"{SWITCH}={value}: precision='auto' takes bf16 on the CPU as " \
+               f"{'native' if value == '1' else 'emulated'} (a test switch)"
+    return None
 
 
 def _drop_habana_modules() -> None:

@@ -5,6 +5,9 @@ Whether the CPU runs bfloat16 natively is told by its flags and confirmed by a p
 few matrix products per dtype (once per process): without AVX512-BF16 or AMX (x86), or the BF16
 extension (Arm), torch emulates bf16 and a matrix product can run ~100x slower than in float32.
 The same probe gives the measured peak that the CPU's MFU is reported against.
+
+A test switch, HPUTRAIN_CPU_NATIVE_BF16=1 or 0, overrules both, so that a test assuming one kind
+of CPU fails on the developer's own machine, whatever its kind (docs/contributing.md).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .base import GB, Accelerator, torch_grouped_mm
 
 
@@ -89,6 +93,19 @@ _VECTOR_FLAGS = ("avx2", "avx512f", "amx_tile", "asimd", "sve", "sve2")
 # of a loaded machine.
 _NATIVE_SHARE = 0.25
 _PROBE_DTYPES = (torch.float32, torch.bfloat16)
+# The test switch: 1 takes bf16 as native on this CPU (precision="auto" picks bf16), 0 as emulated
+# (auto picks fp32, and bf16 asked for gets the slow line), whatever the flags and the probe say.
+NATIVE_BF16_SWITCH = "HPUTRAIN_CPU_NATIVE_BF16"
+
+
+def native_bf16_switch() -> bool | None:
+    """What the test switch says: True (1), False (0), or None where it is unset or empty (then
+    the CPU decides). Read at each decision, so that a test may set it and subprocesses inherit it."""
+    value = os.environ.get(NATIVE_BF16_SWITCH, "").strip()
+    if value not in ("", "0", "1"):
+        raise InputError(f"{NATIVE_BF16_SWITCH}={value!r}: must be 1 (bf16 taken as native), "
+                         f"0 (taken as emulated), or unset (the CPU decides)")
+    return None if value == "" else value == "1"
 
 
 def _cpu_flags() -> frozenset[str] | None:
@@ -147,6 +164,8 @@ class BF16Support:
     """The CPU's flags; None where the system does not list them (then the probe alone decides)."""
     flops: dict
     """Measured matmul FLOP/s per dtype (float32, bfloat16)."""
+    switch: bool | None = None
+    """The test switch (HPUTRAIN_CPU_NATIVE_BF16) where set: it decides instead of the above."""
 
     @property
     def bf16_flags(self) -> list[str]:
@@ -166,11 +185,22 @@ class BF16Support:
 
     @property
     def native(self) -> bool:
+        if self.switch is not None:
+            return self.switch
         fast = self.flops[torch.bfloat16] >= _NATIVE_SHARE * self.flops[torch.float32]
         return fast and (self.flags is None or bool(self.bf16_flags))
 
+    @property
+    def decided_by(self) -> str:
+        """What decided `native`, for `hputrain env`."""
+        if self.switch is not None:
+            return f"{NATIVE_BF16_SWITCH}={int(self.switch)} (a test switch)"
+        return "measured rates" if self.flags is None else "CPU flags and measured rates"
+
     def why_not(self) -> str:
         """Why bf16 is not native here, in a few words."""
+        if self.switch is False:
+            return f"{NATIVE_BF16_SWITCH}=0, a test switch"
         if self.flags is None:
             return "measured; the CPU's flags are not readable here"
         if self.bf16_flags:
@@ -251,14 +281,16 @@ class CPUAccelerator(Accelerator):
 
     def bf16_support(self) -> BF16Support:
         """The CPU's flags and the probe's rates (measured once per process and thread count)."""
-        return BF16Support(_cpu_flags(), measured_matmul_flops(torch.get_num_threads()))
+        return BF16Support(_cpu_flags(), measured_matmul_flops(torch.get_num_threads()),
+                           native_bf16_switch())
 
     def native_bf16(self) -> bool:
         return self.bf16_support().native
 
     def bf16_facts(self) -> dict:
         support = self.bf16_support()
-        return {"native_bf16": support.native, "cpu_flags": support.shown_flags,
+        return {"native_bf16": support.native, "bf16_decided_by": support.decided_by,
+                "cpu_flags": support.shown_flags,
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "matmul_gflops": {str(dtype).removeprefix("torch."): round(rate / 1e9, 1)
                                   for dtype, rate in support.flops.items()}}
@@ -267,6 +299,8 @@ class CPUAccelerator(Accelerator):
         support = self.bf16_support()
         if support.native:
             return None
+        if support.switch is False:  # the measured rates may well say native: no figure
+            return f"bf16 on this CPU is taken as emulated ({support.why_not()})"
         ratio = support.slowdown
         speed = (f"runs {_times(ratio)} slower than fp32" if ratio >= 1
                  else f"is emulated ({_times(1 / ratio)} fp32's matmul rate)")

@@ -10,8 +10,8 @@ import sys
 from .. import __version__
 from ..errors import EveryRankError, InputError, did_you_mean
 
-ENV_VARS = ("HPUTRAIN_ACCELERATOR", "PT_HPU_LAZY_MODE", "PT_ENABLE_INT64_SUPPORT",
-            "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST",
+ENV_VARS = ("HPUTRAIN_ACCELERATOR", "HPUTRAIN_CPU_NATIVE_BF16", "PT_HPU_LAZY_MODE",
+            "PT_ENABLE_INT64_SUPPORT", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST",
             "HABANA_VISIBLE_MODULES", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
             "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
             # what mpirun and srun say instead (distributed/launchers.py)
