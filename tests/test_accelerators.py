@@ -291,6 +291,44 @@ def test_hpu_peak_flops_graphs_and_rng(fake_hpu):
     assert hpu.rng_state()[0] == 7
 
 
+# -- fp8 matrix units (issue 46, item 16) ----------------------------------------------------------
+
+def test_the_cpu_emulates_fp8():
+    cpu = CPUAccelerator()
+    assert cpu.native_fp8() is False  # torch's CPU _scaled_mm computes in wider types
+    assert CPUAccelerator("lazy").native_fp8() is False and not CPUAccelerator("lazy").supports_fp8()
+
+
+@pytest.mark.parametrize("name, units", [("GAUDI2", True), ("GAUDI3", True), ("GAUDI", False)])
+def test_gaudi_2_and_3_have_fp8_units_and_gaudi_1_none(fake_hpu, monkeypatch, name, units):
+    monkeypatch.setattr(fake_hpu, "device_name", name)
+    hpu = HPUAccelerator("eager")
+    assert hpu.native_fp8() is units and hpu.supports_fp8() is units
+
+
+@pytest.mark.parametrize("capability, units", [((8, 0), False), ((8, 6), False), ((8, 9), True),
+                                               ((9, 0), True)])
+def test_cuda_has_fp8_units_from_compute_capability_8_9(monkeypatch, capability, units):
+    """A stand-in for torch.cuda's answer: an A100 (8.0) has no fp8 tensor cores (and torch's
+    _scaled_mm refuses it), an Ada (8.9) or Hopper (9.0) GPU has."""
+    from hputrain.accelerators.cuda import CUDAAccelerator
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = CUDAAccelerator()
+    assert cuda.native_fp8() is units and cuda.supports_fp8() is units
+
+
+def test_the_planned_devices_fp8():
+    from hputrain.accelerators.registry import fp8_targets, target_fp8, target_fp8_peak_gain
+
+    assert {name: target_fp8(name) for name in ("gaudi2", "gaudi3", "h100", "h200", "a100")} == {
+        "gaudi2": "native", "gaudi3": "native", "h100": "native", "h200": "native", "a100": None}
+    assert target_fp8("cpu") == ("emulated" if CPUAccelerator().supports_fp8() else None)
+    assert fp8_targets() == ["gaudi2", "gaudi3", "h100", "h200"]
+    assert target_fp8_peak_gain("h100") == pytest.approx(1979 / 989)  # the published dense peaks
+    assert target_fp8_peak_gain("a100") is None and target_fp8_peak_gain("cpu") is None
+
+
 # -- CUDA (on a GPU machine) -----------------------------------------------------------------------
 
 @requires_cuda
@@ -311,3 +349,4 @@ def test_cuda_contract():
         assert cuda.peak_flops(torch.bfloat16) == 989e12
     assert cuda.native_bf16() == (torch.cuda.get_device_capability() >= (8, 0))
     assert (cuda.bf16_shortfall() is None) == cuda.native_bf16()
+    assert cuda.native_fp8() == (torch.cuda.get_device_capability() >= (8, 9))

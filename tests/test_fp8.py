@@ -222,3 +222,42 @@ def test_fp8_linear_on_a_gpu_matches_bf16():
     out16.backward(grad)
     assert rel(out8, out16) < 0.06
     assert rel(fp8.weight.grad, linear.weight.grad) < 0.10
+
+
+# -- where fp8 has matrix units, and where it is emulated (issue 46, item 16) --------------------
+
+def tiny_fp8_args(tmp_path, **settings):
+    return TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                             save_steps=0, disable_tqdm=True, fp8=True, **settings)
+
+
+def test_the_cpu_names_fp8_as_emulated_and_a_gaudi2_as_native(tmp_path, fake_hpu, monkeypatch):
+    """What both run headers print after "in" (Precision.describe): on a CPU, which has no fp8
+    matrix units, that fp8 is emulated and what for; on a Gaudi 2 (fake runtime), the dtype alone."""
+    model = lambda: GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16))  # noqa: E731
+    on_cpu = Trainer(model(), tiny_fp8_args(tmp_path / "cpu", accelerator="cpu"))
+    assert not on_cpu.accelerator.native_fp8() and on_cpu.accelerator.supports_fp8()
+    said = on_cpu.precision.describe()
+    assert said.startswith("float8_e4m3fn (emulated, as the cpu has no fp8 matrix units: slower than bf16")
+    assert said.endswith("correctness rehearsal of an fp8 run on gaudi2, gaudi3, h100 or h200)")
+    gaudi2 = Trainer(model(), tiny_fp8_args(tmp_path / "hpu", execution_mode="eager"),
+                     accelerator=HPUOnCPU("eager"))
+    assert gaudi2.accelerator.native_fp8() and gaudi2.precision.describe() == "float8_e4m3fn"
+    monkeypatch.setattr(fake_hpu, "device_name", "GAUDI")  # first generation: no fp8 at all
+    with pytest.raises(InputError, match=r"fp8 was asked for, but GAUDI \(hpu\) cannot run fp8"):
+        Trainer(model(), tiny_fp8_args(tmp_path / "gaudi1", execution_mode="eager"),
+                accelerator=HPUOnCPU("eager"))
+
+
+@pytest.mark.slow
+def test_the_run_header_says_fp8_is_emulated_on_a_cpu(cli_here, tmp_path):
+    status, out, _ = cli_here("train", "--fp8", "--max-steps", "1", "--seq-len", "32",
+                              "--per-device-train-batch-size", "2", "--max-corpus-bytes", "20000",
+                              "--eval-batches", "1", "--per-device-eval-batch-size", "2",
+                              "--save-steps", "-1", "--disable-tqdm", "--output-dir", tmp_path)
+    header = out.splitlines()[0]
+    assert status == 0 and header.startswith("hputrain: tiny GPT")
+    assert ("on cpu (" in header and " in float8_e4m3fn (emulated, as the cpu has no fp8 matrix "
+            "units: slower than bf16 (figures in docs/devices.md), meant as a correctness rehearsal "
+            "of an fp8 run on gaudi2, gaudi3, h100 or h200), " in header)
+    assert header.endswith("training sequences of 32 bytes from the Python standard library")

@@ -142,6 +142,12 @@ class Accelerator(ABC):
         """Whether fp8 matrix products (E4M3 and E5M2) run here."""
         return False
 
+    def native_fp8(self) -> bool:
+        """Whether fp8 matrix products run on fp8 matrix units here (Hopper's and Ada's tensor
+        cores, Gaudi 2's and 3's MME). Where `supports_fp8` alone holds, torch._scaled_mm is
+        emulated in wider types, slower than bf16: a rehearsal of an fp8 run, not a speed-up."""
+        return False
+
     def fp8_linear(self, recipe):
         """The device's own fp8 layer: a function making one from an nn.Linear (its weights
         copied), or None for hputrain's layer on torch._scaled_mm (execution/fp8.py), which

@@ -20,6 +20,23 @@ _PEAK_FLOPS = {
     "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12,
            torch.float8_e4m3fn: 242e12},
 }
+CAPABILITY = {"h100": (9, 0), "h200": (9, 0), "a100": (8, 0)}
+"""Each planned GPU's compute capability (what `hputrain plan` asks of a target without one)."""
+_FP8_FROM = (8, 9)  # Ada (8.9) and Hopper (9.0) have fp8 tensor cores; torch._scaled_mm needs them
+
+
+def has_fp8_units(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has fp8 tensor cores."""
+    return tuple(capability) >= _FP8_FROM
+
+
+def published_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """A GPU's dense peak FLOP/s for `dtype`, matched on a substring of its name ("NVIDIA H100
+    80GB HBM3", or a plan target's "h100"); None when not known."""
+    for key, table in _PEAK_FLOPS.items():
+        if key in name.upper():
+            return table.get(dtype)
+    return None
 
 
 class CUDAAccelerator(Accelerator):
@@ -81,14 +98,13 @@ class CUDAAccelerator(Accelerator):
                 "native from 8.0)")
 
     def supports_fp8(self) -> bool:
-        return torch.cuda.get_device_capability() >= (8, 9)  # Ada and Hopper have fp8 tensor cores
+        return self.native_fp8()  # torch._scaled_mm runs on fp8 tensor cores only
+
+    def native_fp8(self) -> bool:
+        return has_fp8_units(torch.cuda.get_device_capability())
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
-        name = self.device_name()
-        for key, table in _PEAK_FLOPS.items():
-            if key in name:
-                return table.get(dtype)
-        return None
+        return published_peak_flops(self.device_name(), dtype)
 
     def wrap_graph_inference(self, module):
         # "reduce-overhead" records CUDA graphs of the compiled module and replays them.

@@ -32,10 +32,15 @@ COMPILE_BACKEND = "hpu_backend"
 """torch.compile's backend for Gaudi (registered by the runtime)."""
 # Gaudi's Transformer Engine: te.Linear layers, fp8_autocast, and the DelayedScaling recipe.
 _TE = "habana_frameworks.torch.hpex.experimental.transformer_engine"
-_FP8_DEVICES = ("GAUDI2", "GAUDI3")  # first-generation Gaudi has no fp8
+_FP8_DEVICES = ("GAUDI2", "GAUDI3")  # their MMEs multiply in fp8; first-generation Gaudi has no fp8
 # FusedSDPA's recompute mode (attention recomputed in backward, not kept) by default from this
 # many keys: where the (queries x keys) probabilities of every layer outgrow the memory they save.
 _RECOMPUTE_FROM_KEYS = 8192
+
+
+def has_fp8_units(name: str) -> bool:
+    """Whether the Gaudi of this name ("GAUDI2", a plan target's "gaudi3") has fp8 matrix units."""
+    return any(key in name.upper() for key in _FP8_DEVICES)
 
 
 def _op_list_file(ops: list[str]) -> str:
@@ -165,7 +170,10 @@ class HPUAccelerator(Accelerator):
 
     # -- fp8 through Gaudi's Transformer Engine ---------------------------------------------------
     def supports_fp8(self) -> bool:
-        return any(key in self.device_name().upper() for key in _FP8_DEVICES)
+        return self.native_fp8()  # the Transformer Engine runs on the MME's fp8 only
+
+    def native_fp8(self) -> bool:
+        return has_fp8_units(self.device_name())
 
     def fp8_linear(self, recipe):
         """te.Linear layers with the same weights as the eligible Linear layers."""

@@ -34,6 +34,9 @@ class MPSAccelerator(Accelerator):
             "total_memory_available_gb": torch.mps.recommended_max_memory() / GB,
         }
 
+    def native_fp8(self) -> bool:
+        return False  # torch's MPS backend has no fp8 matrix product (supports_fp8 is False too)
+
     def rng_state(self) -> torch.Tensor:
         return torch.mps.get_rng_state()
 

@@ -99,3 +99,40 @@ def target_runs_bf16(name: str) -> bool:
     from .cpu import CPUAccelerator
 
     return CPUAccelerator().native_bf16() if name == "cpu" else True
+
+
+
+def target_fp8(name: str) -> str | None:
+    """How the planned device runs fp8 matrix products: "native" on fp8 matrix units (Gaudi 2
+    and 3, Hopper GPUs), "emulated" in wider types (this machine's CPU, where torch has the
+    kernel: a rehearsal, never a speed-up), or None where a run refuses fp8 (an A100)."""
+    from .cpu import CPUAccelerator
+    from .cuda import CAPABILITY, has_fp8_units as gpu_has_fp8
+    from .hpu import MEMORY_BYTES as GAUDIS, has_fp8_units as gaudi_has_fp8
+
+    if name in GAUDIS:
+        return "native" if gaudi_has_fp8(name) else None
+    if name in CAPABILITY:
+        return "native" if gpu_has_fp8(CAPABILITY[name]) else None
+    if name != "cpu":
+        return None
+    cpu = CPUAccelerator()
+    return "native" if cpu.native_fp8() else "emulated" if cpu.supports_fp8() else None
+
+
+def target_fp8_peak_gain(name: str) -> float | None:
+    """The planned device's published dense fp8 peak over its bf16 one, where both are known
+    (2.0 on an H100 or H200); None elsewhere, and where it has no fp8 matrix units."""
+    import torch
+
+    from .cuda import CAPABILITY, published_peak_flops
+
+    if name not in CAPABILITY or target_fp8(name) != "native":
+        return None
+    fp8, bf16 = (published_peak_flops(name, dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16))
+    return fp8 / bf16 if fp8 and bf16 else None
+
+
+def fp8_targets() -> list[str]:
+    """The planned devices with fp8 matrix units: what an emulated fp8 run rehearses."""
+    return [name for name in target_memory() if target_fp8(name) == "native"]

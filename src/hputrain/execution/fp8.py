@@ -60,6 +60,19 @@ class Fp8Recipe:
     """Keep the fp8 weight for backward instead of a bfloat16 copy."""
 
 
+def emulated(device: str) -> str:
+    """What fp8 is on `device`, one without fp8 matrix units (accelerators' `native_fp8`): the
+    products run in wider types, slower than bf16 (docs/devices.md has the figures), so the run
+    rehearses an fp8 run's numerics (formats, scales, skip rule, checkpoints) for a device that
+    has them."""
+    from ..accelerators.registry import fp8_targets
+
+    *others, last = fp8_targets()
+    return (f"emulated, as the {device} has no fp8 matrix units: slower than bf16 (figures in "
+            f"docs/devices.md), meant as a correctness rehearsal of an fp8 run on "
+            f"{', '.join(others)} or {last}")
+
+
 def _eligible(layer: nn.Linear) -> bool:
     dims = (layer.in_features, layer.out_features)
     return all(d % _MULTIPLE == 0 and d >= _SMALLEST for d in dims)

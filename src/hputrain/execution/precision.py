@@ -155,6 +155,10 @@ class Precision:
         """Change the module's layers for this precision (fp8 replaces Linear layers)."""
         return module
 
+    def describe(self) -> str:
+        """What the run header names this precision by: its compute dtype."""
+        return str(self.compute_dtype).removeprefix("torch.")
+
     def convert_frozen(self, module: torch.nn.Module, like_trained: bool = False) -> torch.nn.Module:
         """A module that only runs forward beside the trained one (DPO's reference): converted
         as the trained one is, without gradients, in eval mode. `like_trained`: stored in the
@@ -214,6 +218,15 @@ class Fp8Mixed(Precision):
         stack.enter_context(self.bf16.forward_context())
         stack.enter_context(self.accelerator.fp8_context(self.recipe))
         return stack
+
+    def describe(self) -> str:
+        """The dtype, and where the device has no fp8 matrix units that fp8 is emulated there:
+        tens of times slower than bf16 on some CPUs, which the header alone would not tell."""
+        if self.accelerator.native_fp8():
+            return super().describe()
+        from .fp8 import emulated
+
+        return f"{super().describe()} ({emulated(self.accelerator.name)})"
 
     def convert_module(self, module):
         from .fp8 import RULE, convert_to_fp8

@@ -78,7 +78,7 @@ def run(options: RecipeOptions, training_args, accelerator_config) -> int:
     if trainer.group.is_main:
         print(f"hputrain: {options.model_size} GPT ({model.num_parameters() / 1e6:.2f}M parameters) on "
               f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-              f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}, "
+              f"{trainer.precision.describe()}, "
               f"{len(train_set)} training sequences of {options.seq_len} bytes from "
               f"{options.corpus or 'the Python standard library'}"
               f"{kernels_line(trainer)}")

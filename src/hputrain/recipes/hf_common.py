@@ -42,7 +42,7 @@ def model_line(trainer, model, options) -> str:
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-            f"{str(trainer.precision.compute_dtype).removeprefix('torch.')}{kernels_line(trainer)}")
+            f"{trainer.precision.describe()}{kernels_line(trainer)}")
 
 
 def _adapted(model) -> str:

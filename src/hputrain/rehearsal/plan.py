@@ -110,6 +110,9 @@ class Plan:
     expert-parallel split and its all-to-all buffers; None for a dense model."""
     vision: object | None = None
     """An image-text-to-text model's vision tower share (plan_vlm.VisionShare), else None."""
+    fp8: dict | None = None
+    """With fp8, how the target runs it ("runs": native, emulated or None), whether it is
+    counted as a speed-up there, and the note saying so (`_fp8`); None without fp8."""
 
     @property
     def fits(self) -> bool:
@@ -122,6 +125,8 @@ class Plan:
             found["moe"] = self.moe.as_json()
         if self.vision is not None:
             found["vision"] = self.vision.as_json()
+        if self.fp8 is not None:
+            found["fp8"] = self.fp8
         return found
 
 
@@ -166,7 +171,10 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
 
     traced = trace(step, args)
     result = Plan(traced.peak_bytes, target, target_bytes, traced.breakdown, ranks,
-                  notes=_notes(traced, args, target), moe=traced.moe, vision=traced.vision)
+                  notes=_notes(traced, args, target), moe=traced.moe, vision=traced.vision,
+                  fp8=_fp8(args, target))
+    if result.fp8 is not None:
+        result.notes.append(result.fp8["note"])
     if not result.fits:
         changes = list(_changes(step, args, offload=not target_is_host(target)))
         # a trace is not started unless one as long as the plan's own would end in the budget
@@ -352,6 +360,28 @@ def _notes(traced: StepTrace, args, target: str) -> list[str]:
     if args.use_graphs_for_training or args.torch_compile or args.execution_mode == "compile":
         notes.append("the compiled step planned as the eager one")
     return notes
+
+
+def _fp8(args, target: str) -> dict | None:
+    """With fp8, how the target runs it: on fp8 matrix units (a speed-up, with their published
+    peak over bf16's where known), emulated (the CPU: no speed-up, and the plan says so), or not
+    at all (an A100). The same fp8 layers' memory is traced in each case."""
+    if not args.fp8:
+        return None
+    from ..accelerators.registry import target_fp8, target_fp8_peak_gain
+    from ..execution.fp8 import emulated
+
+    kind, gain = target_fp8(target), target_fp8_peak_gain(target)
+    if kind == "native":
+        note = (f"fp8 counted as a speed-up on {target}: its fp8 matrix units"
+                + (f" (peak {gain:.1f}x bf16's)" if gain else ""))
+    elif kind == "emulated":
+        note = f"fp8 counted as no speed-up on {target}: {emulated(target)}"
+    else:
+        note = (f"fp8 counted as no speed-up on {target}: it has no fp8 matrix units (a run "
+                "there refuses fp8)")
+    return {"runs": kind, "speedup": kind == "native",
+            "peak_vs_bf16": gain and round(gain, 2), "note": note}
 
 
 def _warm_up(optimizer, clip) -> None:
