@@ -91,6 +91,29 @@ def same(a: list[dict], b: list[dict]) -> bool:
 
 # -- the stream's blocks ------------------------------------------------------------------------------
 
+def test_shards_are_split_by_their_names(tmp_path):
+    """Issue 46 item 13: shards named for the test split are never streamed, those named for
+    validation (a dev file, a validation/ subfolder) are the validation shards; a folder of
+    test shards alone has nothing to train on, in one line."""
+    from hputrain.data.streaming import validation_shards
+
+    folder = tmp_path / "d"
+    for name in ("data/train-00000-of-00002.parquet", "data/train-00001-of-00002.jsonl",
+                 "data/test-00000-of-00001.jsonl", "dev.jsonl", "validation/a.jsonl"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("{}\n")
+    assert [p.relative_to(folder).as_posix() for p in find_shards(folder)] == [
+        "data/train-00000-of-00002.parquet", "data/train-00001-of-00002.jsonl"]
+    assert [p.relative_to(folder).as_posix() for p in validation_shards(folder)] == [
+        "dev.jsonl", "validation/a.jsonl"]
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "test.jsonl").write_text("{}\n")
+    with pytest.raises(InputError, match=r"holds no .jsonl or .parquet shards outside its other "
+                                         r"splits \(test: test.jsonl\)"):
+        find_shards(only)
+
+
 def test_text_stream_gives_the_blocks_of_the_cached_path(tmp_path, tokenizer):
     rows = [text_rows(0, 23), text_rows(1, 17)]
     folder = write_shards(tmp_path / "d", rows, parquet=(1,))
@@ -293,14 +316,20 @@ def test_refusals_are_one_line(tmp_path, capsys, llama_folder):  # noqa: F811
 
 
 def test_header_and_validation_subfolder(tmp_path, capsys, llama_folder):  # noqa: F811
+    """A validation/ subfolder is the validation split; a test shard (issue 46 item 13) is never
+    streamed; the header names each split's files."""
     folder = write_shards(tmp_path / "d", [text_rows(0, 20), text_rows(1, 20)])
     write_shards(folder / "validation", [text_rows(9, 12)])
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in text_rows(8, 12)))
     out = tmp_path / "out"
     assert main(["train", "--cpu", "--model", str(llama_folder), "--dataset", str(folder), "--streaming",
                  "--max-steps", "3", "--block-size", "32", "--output-dir", str(out),
                  "--disable-tqdm", "--save-steps", "-1"]) == 0
     header = capsys.readouterr().out
-    assert "streaming 2 shard(s)" in header and "validation: the validation/ subfolder" in header
+    assert "streaming 2 shard(s)" in header
+    assert "validation: the validation split of --dataset, 1 shard(s)" in header
+    assert ("hputrain: splits, by file name: train: part-000.jsonl, part-001.jsonl; validation: "
+            "validation/part-000.jsonl; test: test.jsonl (not read)\n") in header, header
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in r for r in records)
 

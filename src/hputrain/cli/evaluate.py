@@ -1,9 +1,11 @@
 """`hputrain evaluate --model DIR --dataset PATH`: the loss of a local Hugging Face model over a
 whole data set, read as `hputrain train` reads it (text, or SFT rows by their columns): every
-counted token of it, none held out; preference pairs give DPO's loss and rewards against
---ref-model DIR. Works on a run's output_dir/final, a LoRA run's adapter folder included (on
-the base model its adapter_config.json names, or --base-model DIR). Examples longer than
---block-size are cut to it, and said so. The tokenized data is cached in --cache-dir when given,
+counted token of it, none held out; of a data set with splits (a folder of train.jsonl and
+test.jsonl, a Hub snapshot's data/test-*.parquet, a DatasetDict), the split --split names
+(train by default); preference pairs give DPO's loss and rewards against --ref-model DIR.
+Works on a run's output_dir/final, a LoRA run's adapter folder included (on the base model its
+adapter_config.json names, or --base-model DIR). Examples longer than --block-size are cut to
+it, and said so. The tokenized data is cached in --cache-dir when given,
 else in a temporary folder removed at the end."""
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 
 from ..errors import InputError
 from ..recipes.hf import HFOptions
+from ..recipes.hf_data import splits_line
 from ..recipes.hf_eval import evaluate
 
 
@@ -26,6 +29,11 @@ def add_evaluate_parser(sub) -> None:
                    help="the base model of an adapter folder given as --model or --ref-model "
                         "(default: the one its adapter_config.json names)")
     p.add_argument("--dataset", required=True, metavar="PATH", help="the data, as hputrain train takes it")
+    p.add_argument("--split", default="train", metavar="NAME",
+                   help="the split of a data set with splits to evaluate: train (default; the whole "
+                        "data set where it names none), validation or test (files named as "
+                        "datasets' load_dataset splits them: test.jsonl, data/test-*.parquet, dev/), "
+                        "or a DatasetDict's split")
     p.add_argument("--block-size", "--block_size", dest="block_size", type=int,
                    help="tokens per block (default: as hputrain train chooses)")
     p.add_argument("--no-packing", "--no_packing", dest="packing", action="store_false",
@@ -81,7 +89,8 @@ def cmd_evaluate(args) -> int:
                         image_slots=args.image_slots)  # a bad value: one line
     # train's rule: --precision, when given, decides; else --bf16 / --no-bf16; else fp32
     precision = args.precision or ("bf16-mixed" if args.bf16 else "fp32")
-    result = evaluate(options, batch_size=args.batch_size, precision=precision)
+    result = evaluate(options, batch_size=args.batch_size, precision=precision, split=args.split)
+    print(splits_line(args.dataset, evaluated=args.split), end="", file=sys.stderr)
     if "images" in result:  # image data: what the blocks hold
         print(f"hputrain: {result['examples']} examples with {result['images']} images, "
               f"{result['image_slots']} image slots a block, {result['examples_cut']} cut to "

@@ -41,38 +41,44 @@ from torch.utils.data import IterableDataset
 from ..errors import InputError
 from .batching import walk_sorted
 from .packing import pack, unpacked
+from .splits import TRAIN, VALIDATION, FolderSplits, describe, folder_splits
 
 SHARD_SUFFIXES = (".jsonl", ".parquet")
 """The files a shard folder is made of."""
-VALIDATION_FOLDER = "validation"
-"""A subfolder of shards evaluated on instead of trained on."""
 PARQUET_BATCH_ROWS = 1024
 """Rows read from a Parquet file at a time."""
 PACKINGS = ("text", "packed", "rows")
 
 
 def find_shards(folder: str | Path, what: str = "--dataset") -> list[Path]:
-    """The shard files under `folder` (or `folder` itself, one shard), in sorted order, its
-    `validation` subfolder left out; one line when there are none."""
+    """The training shards under `folder` (or `folder` itself, one shard), in sorted order: the
+    train split of its shards by their names (data/splits.py; validation and test shards left
+    out); one line when there are none."""
     root = Path(folder)
     if root.is_file() and root.suffix.lower() in SHARD_SUFFIXES:
         return [root]  # one shard
-    if not root.is_dir():
-        raise InputError(f"{what} {folder} is not a folder: --streaming reads a folder of JSON Lines "
-                         "(.jsonl) or Parquet (.parquet) shards")
-    held_out = root / VALIDATION_FOLDER
-    shards = [path for path in walk_sorted(root, None) if path.suffix.lower() in SHARD_SUFFIXES
-              and held_out not in path.parents]
-    if not shards:
-        raise InputError(f"{what} {folder} holds no .jsonl or .parquet shards: --streaming reads a "
-                         "folder of them")
-    return shards
+    splits = shard_splits(root, what)
+    if not splits.of(TRAIN):
+        held = f" outside its other splits ({describe(root, splits)})" if splits.files else ""
+        raise InputError(f"{what} {folder} holds no .jsonl or .parquet shards{held}: --streaming "
+                         "reads a folder of them")
+    return splits.of(TRAIN)
 
 
 def validation_shards(folder: str | Path) -> list[Path]:
-    """The shards of `folder`/validation, or [] when it has no such subfolder."""
-    held_out = Path(folder) / VALIDATION_FOLDER
-    return find_shards(held_out, "--dataset") if held_out.is_dir() else []
+    """The validation split's shards of `folder` (its validation/ subfolder's, a dev.jsonl), or []
+    when it has none."""
+    root = Path(folder)
+    return shard_splits(root).of(VALIDATION) if root.is_dir() else []
+
+
+def shard_splits(root: Path, what: str = "--dataset") -> FolderSplits:
+    """The shard files under the folder `root` by split (data/splits.py)."""
+    if not root.is_dir():
+        raise InputError(f"{what} {root} is not a folder: --streaming reads a folder of JSON Lines "
+                         "(.jsonl) or Parquet (.parquet) shards")
+    return folder_splits(root, [path for path in walk_sorted(root, None)
+                                if path.suffix.lower() in SHARD_SUFFIXES])
 
 
 def read_rows(path: Path, row: int = 0, offset: int = 0) -> Iterator[tuple[dict, int, int]]:

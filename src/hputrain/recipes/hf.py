@@ -317,9 +317,11 @@ def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
                           strategy=training_args.strategy)
 
 
-def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir):
+def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir,
+              split: str = "train"):
     """The data set as training and validation blocks (or rows): the method its columns ask for
-    (hf_sft.data_method), with the --chat-template given put into the tokenizer first."""
+    (hf_sft.data_method), with the --chat-template given put into the tokenizer first. `split`:
+    the split read as the training blocks (hputrain evaluate --split reads another)."""
     from .hf_data import load_blocks
     from .hf_sft import data_method, load_sft, use_chat_template
 
@@ -333,10 +335,10 @@ def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cach
         data = load_blocks(options.dataset, tokenizer, block_size, text_column=options.text_column,
                            validation_percentage=options.validation_split_percentage,
                            cache_dir=cache_dir, tokenizer_folder=folder,
-                           workers=options.dataset_num_proc)
+                           workers=options.dataset_num_proc, split=split)
     else:
         data = load_sft(options.dataset, method, tokenizer, block_size, options, cache_dir=cache_dir,
-                        tokenizer_folder=folder)
+                        tokenizer_folder=folder, split=split)
     data.method = method
     return data
 
@@ -531,6 +533,7 @@ def _check_targets(model, targets: list[str]) -> None:
 # -- the run header ------------------------------------------------------------------------------
 
 def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
+    from .hf_data import splits_line
     from .hf_sft import METHODS, counted, describe, split_sizes
 
     held_out = len(data.validation) if data.validation is not None else 0
@@ -549,6 +552,7 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
             + (f"hputrain: {split_sizes(len(data.train), held_out, 'block')} of {block_size} "
                f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else
                describe(data, options, block_size, f"from {options.dataset} ({cached})"))
+            + splits_line(options.dataset, options.validation_split_percentage > 0)
             + f"hputrain: validation: {validation}")
 
 

@@ -3,17 +3,20 @@ blocks of equal length, cached on disk.
 
 Shapes: a UTF-8 text file; a folder of text files; a file of records (rows of fields: JSON Lines
 .jsonl, .json holding lines or one array, or Parquet) with a text field, or a folder of such files
-(shards, read in sorted order; its `validation/` subfolder, as --streaming lays shards out, is the
-validation split); a folder written by datasets' save_to_disk. A folder's files are read by their
+(shards, read in sorted order); a folder written by datasets' save_to_disk. A folder's files are
+split by their names as datasets' load_dataset splits them (data/splits.py: `train.jsonl`,
+`dev.jsonl`, `test.jsonl`, `data/test-00000-of-00001.parquet`, a `validation/` subfolder as
+--streaming lays shards out): the train split is trained on, the validation split validated on,
+and the test split read only by `hputrain evaluate --split test`. A folder's files are read by their
 kind: one of record files and other files is refused, as is one whose files hold rows of different
 kinds (chat rows beside preference pairs), since the method comes from the rows' fields.
 A document is a file, a record or a row: its tokens are followed by the tokenizer's eos token, then
 everything is cut into blocks of `block_size` tokens (the tail shorter than a block is dropped,
 as run_clm does), so that every step has the same shapes and graph-compiling devices compile once.
 
-Validation, as run_clm does it: a DatasetDict (save_to_disk) with a "validation" split is
-evaluated on that split, packed the same way by itself; any other data set holds out the last
-`validation_percentage` percent of its blocks.
+Validation, as run_clm does it: a DatasetDict (save_to_disk) with a "validation" split, or a
+folder with files named for it, is evaluated on that split, packed the same way by itself; any
+other data set holds out the last `validation_percentage` percent of its blocks.
 
 The blocks are cached in one int32 .npy file per split whose name is a hash of what decides them
 (the data set's files with their sizes and modification times, the split, the tokenizer's files,
@@ -37,7 +40,8 @@ import torch
 
 from ..data import token_store
 from ..data.batching import walk_sorted
-from ..data.streaming import VALIDATION_FOLDER, read_rows
+from ..data.splits import FolderSplits, describe, folder_splits
+from ..data.streaming import read_rows
 from ..errors import InputError
 from ..files import NotARegularFile, open_regular_file, read_regular_file
 
@@ -48,6 +52,9 @@ SHAPES = ("a UTF-8 text file, a folder of text files, a JSON Lines or Parquet fi
           "field (or a folder of them), or a folder written by datasets' save_to_disk")
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 """Files of records (rows of fields), alone or in a folder; any other file is read as text."""
+BESIDE_RECORDS = (".md", ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+"""Files a folder of records may hold that are not data: its card (README.md, as a Hugging Face
+data set folder has) and the images its rows name (images/0001.png beside train.jsonl)."""
 SHAPE_COLUMNS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected")
 """The fields that decide a row's method (SFT, DPO, GRPO, or text without any of them)."""
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -85,12 +92,14 @@ class Blocks:
 
 def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "text",
                 validation_percentage: float = 5, cache_dir: str | Path,
-                tokenizer_folder: str | Path | None = None, workers: int | None = None) -> Blocks:
-    """The data set at `path` as training and validation blocks: a DatasetDict's own
-    "validation" split, else the last `validation_percentage` percent of the blocks (at least
-    one). A percentage of 0 means no validation blocks either way. The first process of the
-    node to get here tokenizes, in `workers` processes (default: one per core, at most 8); the
-    others wait for its cache and read it (token_store.made_once)."""
+                tokenizer_folder: str | Path | None = None, workers: int | None = None,
+                split: str = TRAIN_SPLIT) -> Blocks:
+    """The data set at `path` as training and validation blocks: its own "validation" split,
+    else the last `validation_percentage` percent of the blocks (at least one). A percentage of
+    0 means no validation blocks either way. `split`: the split read as the training blocks
+    (hputrain evaluate --split reads another). The first process of the node to get here
+    tokenizes, in `workers` processes (default: one per core, at most 8); the others wait for
+    its cache and read it (token_store.made_once)."""
     workers = token_store.check_workers(workers)
     source = Path(path)
     own = validation_percentage > 0 and VALIDATION_SPLIT in saved_splits(path)
@@ -109,12 +118,13 @@ def load_blocks(path: str, tokenizer, block_size: int, *, text_column: str = "te
                                                make, _write_cache)
         return blocks, cache_file, cached
 
-    blocks, cache_file, from_cache = blocks_of(TRAIN_SPLIT, path)
+    blocks, cache_file, from_cache = blocks_of(split, path if split == TRAIN_SPLIT
+                                               else f"{path} (its {split} split)")
     if own:
         held_out, _, cached = blocks_of(VALIDATION_SPLIT, f"{path} (its {VALIDATION_SPLIT} split)")
         return Blocks(BlockDataset(blocks), BlockDataset(held_out), cache_file, from_cache and cached,
                       own_validation=True)
-    train, validation = split(blocks, validation_percentage, path)
+    train, validation = hold_out_blocks(blocks, validation_percentage, path)
     return Blocks(BlockDataset(train), None if validation is None else BlockDataset(validation),
                   cache_file, from_cache)
 
@@ -157,7 +167,7 @@ def pack(ids: np.ndarray, block_size: int, path: str) -> np.ndarray:
     return ids[:count * block_size].reshape(count, block_size)
 
 
-def split(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray | None]:
+def hold_out_blocks(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(training blocks, validation blocks): the validation share is taken from the end."""
     if percentage <= 0:
         return blocks, None
@@ -173,16 +183,15 @@ def split(blocks: np.ndarray, percentage: float, path: str) -> tuple[np.ndarray,
 
 def columns_of(path: str) -> list[str] | None:
     """The data set's columns: a save_to_disk folder's, or the first record's fields of a file
-    of records (of each file of a folder of them, which must agree on the fields that decide the
-    method); None for plain text (a file or a folder of them)."""
+    of records (of each file of a folder of them, every split's, which must agree on the fields
+    that decide the method); None for plain text (a file or a folder of them)."""
     source = Path(path)
-    kind, files = _source(source)
+    kind, layout = _layout(source)
     if kind == "saved":
         return list(_load_saved(source)[0].column_names)
     if kind not in ("jsonl", "records"):
         return None
-    if kind == "records" and VALIDATION_SPLIT in saved_splits(path):
-        files = files + _source(source, VALIDATION_SPLIT)[1]
+    files = [file for split_files in layout.files.values() for file in split_files]
     firsts = [(file, _fields(_first_record(file))) for file in files]
     firsts = [(file, fields) for file, fields in firsts if fields is not None] or [(source, [])]
     _one_kind_of_row(source, firsts)
@@ -210,9 +219,9 @@ def _one_kind_of_row(folder: Path, firsts: list[tuple[Path, list[str]]]) -> None
 
 
 def records(path: str, split: str = TRAIN_SPLIT) -> Iterator[tuple[str, dict]]:
-    """(where, row) for each row of a file of records, of each file of a folder of them (in
-    sorted order; `split` "validation": its validation/ subfolder's), or of a save_to_disk folder
-    (a DatasetDict: its `split`); `where` names the row in errors."""
+    """(where, row) for each row of a file of records, of each file of a folder of them that
+    belongs to `split` (in sorted order), or of a save_to_disk folder (a DatasetDict: its
+    `split`); `where` names the row in errors."""
     source = Path(path)
     kind, files = _source(source, split)
     if kind == "saved":
@@ -228,17 +237,55 @@ def records(path: str, split: str = TRAIN_SPLIT) -> Iterator[tuple[str, dict]]:
 
 
 def saved_splits(path: str) -> list[str]:
-    """The split names of a save_to_disk DatasetDict folder, or ["train", "validation"] for a
-    folder of record files with a validation/ subfolder of them ([] for anything else)."""
+    """The split names of a save_to_disk DatasetDict folder, or of a folder whose files name
+    splits (["train", "validation"] for one with a validation/ subfolder; data/splits.py), []
+    for anything else."""
     source = Path(path)
     if not source.is_dir():
         return []
     if any((source / marker).is_file() for marker in SAVED_MARKERS):
         return _saved_splits(source)
-    held = source / VALIDATION_FOLDER
-    if held.is_dir() and any(_is_record_file(f) for f in walk_sorted(held, None)):
-        return [TRAIN_SPLIT, VALIDATION_SPLIT]
-    return []
+    try:
+        _, layout = _layout(source)
+    except InputError:  # an empty or mixed folder: reading it says so, in one line
+        return []
+    return list(layout.files) if layout.named else []
+
+
+def splits_line(path: str, validating: bool = True, *, evaluated: str | None = None) -> str:
+    """The run header's line naming the files of each split of a folder that names splits (a
+    DatasetDict's split names), the splits the run does not read marked; "" for a data set
+    without splits. `validating`: whether the run reads the validation split; `evaluated`: the
+    one split hputrain evaluate reads."""
+    read = (evaluated,) if evaluated else (TRAIN_SPLIT, VALIDATION_SPLIT) if validating else (TRAIN_SPLIT,)
+    source = Path(path)
+    if not source.is_dir():
+        return ""
+    if any((source / marker).is_file() for marker in SAVED_MARKERS):
+        names = _saved_splits(source)
+        listed = ", ".join(name + ("" if name in read else " (not read)") for name in names)
+        return f"hputrain: splits of the DatasetDict: {listed}\n" if len(names) > 1 else ""
+    try:
+        layout = _layout(source)[1]
+    except InputError:  # reading it says why, in one line
+        return ""
+    if list(layout.files) in ([], [TRAIN_SPLIT]) and not layout.unnamed:
+        return ""
+    return f"hputrain: splits, by file name: {describe(source, layout, read)}\n"
+
+
+def check_split(path: str, split: str) -> None:
+    """One line when the data set at `path` has no split `split` (before any model is read)."""
+    source = Path(path)
+    if split == TRAIN_SPLIT:
+        _source(source, split)
+    elif source.is_dir() and any((source / marker).is_file() for marker in SAVED_MARKERS):
+        names = _saved_splits(source)
+        if split not in names:
+            raise InputError(f"--dataset {path} has no {split!r} split: its DatasetDict holds "
+                             f"{', '.join(map(repr, names)) or 'a single Dataset (the train split)'}")
+    else:
+        _source(source, split)
 
 
 def _is_record_file(path: Path) -> bool:
@@ -247,37 +294,51 @@ def _is_record_file(path: Path) -> bool:
 
 def _source(path: Path, split: str = TRAIN_SPLIT) -> tuple[str, list[Path]]:
     """(kind, the files that make up `split`, in a fixed order). Kinds: "saved" (save_to_disk:
-    all its files, whatever the split), "records" (a folder of record files; its validation/
-    subfolder is the validation split), "folder" (of text files), "jsonl" (one file of records,
-    Parquet's too: the name predates them, and it is part of the cache keys), "text"."""
+    all its files, whatever the split), "records" (a folder of record files), "folder" (of text
+    files), "jsonl" (one file of records, Parquet's too: the name predates them, and it is part
+    of the cache keys), "text"; a folder's files split by their names (data/splits.py)."""
+    kind, layout = _layout(path)
+    if kind == "saved":
+        return kind, layout.of(TRAIN_SPLIT)
+    files = layout.of(split)
+    if files:
+        return kind, files
+    if not path.is_dir():
+        raise InputError(f"--dataset {path} is one file, the train split: --split {split} reads a "
+                         "folder's files named for that split (test.jsonl, data/test-*.parquet)")
+    if split == TRAIN_SPLIT:
+        raise InputError(f"--dataset {path} holds no files to train on: its files name other "
+                         f"splits ({describe(path, layout)}); name the training files for the "
+                         "train split (train.jsonl, data/train-00000-of-00001.parquet), or give "
+                         "files that name no split")
+    raise InputError(f"--dataset {path} has no {split} split ({describe(path, layout)}): a file or "
+                     f"folder named for it ({split}.jsonl, {split}/) is")
+
+
+def _layout(path: Path) -> tuple[str, FolderSplits]:
+    """(kind, its files by split): a folder of records or text split by file names, the others
+    one train split ("saved": every file of the save_to_disk folder)."""
     if not path.exists():
         raise InputError(f"--dataset {path} does not exist: give {SHAPES}")
     if path.is_dir():
         files = walk_sorted(path, suffix=None)  # hidden entries and caches left out, as data.py reads
         if any((path / marker).is_file() for marker in SAVED_MARKERS):
-            return "saved", files
+            return "saved", FolderSplits({TRAIN_SPLIT: files})
         if not files:
             raise InputError(f"--dataset {path} is an empty folder: give {SHAPES}")
         rows = [file for file in files if _is_record_file(file)]
         if not rows:
-            return "folder", files
-        # A data set's card (README.md, as a Hugging Face data set folder has) is not data.
-        others = [file for file in files if not _is_record_file(file) and file.suffix.lower() != ".md"]
+            return "folder", folder_splits(path, files)
+        others = [file for file in files
+                  if not _is_record_file(file) and file.suffix.lower() not in BESIDE_RECORDS]
         if others:
             other = others[0]
             raise InputError(f"--dataset {path} mixes files of records ({rows[0].relative_to(path)}) "
                              f"with other files ({other.relative_to(path)}), which would be read as "
                              f"plain text: keep one kind of file in the folder (records: "
                              f"{', '.join(RECORD_SUFFIXES)})")
-        held = path / VALIDATION_FOLDER
-        mine = [file for file in rows if (held in file.parents) == (split == VALIDATION_SPLIT)]
-        if not mine:
-            raise InputError(f"--dataset {path} holds no record files outside its "
-                             f"{VALIDATION_FOLDER}/ subfolder: give it some to train on")
-        return "records", mine
-    if _is_record_file(path):
-        return "jsonl", [path]
-    return "text", [path]
+        return "records", folder_splits(path, rows)
+    return "jsonl" if _is_record_file(path) else "text", FolderSplits({TRAIN_SPLIT: [path]})
 
 
 def _saved_splits(path: Path) -> list[str]:
@@ -416,9 +477,9 @@ def _load_saved(path: Path, split: str = TRAIN_SPLIT):
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     where = path
     if isinstance(data, datasets.DatasetDict):
-        if TRAIN_SPLIT not in data:
-            raise InputError(f"--dataset {path} holds the splits {', '.join(data)} and no 'train': "
-                             "save the split to train on by itself")
+        if split not in data:
+            raise InputError(f"--dataset {path} holds the splits {', '.join(data)} and no {split!r}"
+                             + (": save the split to train on by itself" if split == TRAIN_SPLIT else ""))
         data = data[split]
         where = f"{path} (its {split} split)" if split != TRAIN_SPLIT else path
     return data, where

@@ -106,14 +106,16 @@ def dpo_form(options, tokenizer, block_size: int) -> PairForm:
 
 
 def load_pairs(options, tokenizer, block_size: int, *, cache_dir: str | Path | None = None,
-               tokenizer_folder: str | Path | None = None, form: PairForm | None = None):
+               tokenizer_folder: str | Path | None = None, form: PairForm | None = None,
+               split: str = hf_data.TRAIN_SPLIT):
     """(training pairs, validation pairs or None, stats of every split) of `form` (DPO's unless
     given), from a cache in `cache_dir` made once per node (token_store.made_once), or held in
-    memory when there is no cache_dir."""
+    memory when there is no cache_dir. `split`: the split read as the training pairs (hputrain
+    evaluate --split reads another)."""
     form = form or dpo_form(options, tokenizer, block_size)
     path, percentage = options.dataset, options.validation_split_percentage
     read = (options, tokenizer, block_size, cache_dir, tokenizer_folder, form)
-    pairs, stats = _encoded_pairs(*read, hf_data.TRAIN_SPLIT)
+    pairs, stats = _encoded_pairs(*read, split)
     if percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path):
         held, more = _encoded_pairs(*read, hf_data.VALIDATION_SPLIT)
         stats = _summed(form.stats, [stats, more])
@@ -212,4 +214,5 @@ def pairs_header(trainer, model, options, method: str, loss: str, pairs: str) ->
     """The header of a run on preference pairs (DPO, a reward model): the model, then the method,
     its loss and the pairs, a line each."""
     return (f"{model_line(trainer, model, options)}\nhputrain: method: {method}\n"
-            f"hputrain: {loss}\nhputrain: {pairs}\n")
+            f"hputrain: {loss}\nhputrain: {pairs}\n"
+            + hf_data.splits_line(options.dataset, options.validation_split_percentage > 0))

@@ -3,7 +3,9 @@ model (a downloaded one, or a run's output_dir/final: a model folder, or the ada
 LoRA run, loaded onto its base) over a whole data set.
 
 The data is read as `hputrain train` reads it (hf.load_data: text, or SFT rows by their columns),
-every example or block of it, none held out, and evaluated by the Trainer's own evaluation loop
+every example or block of one split of it (`split`: train, the whole data set where it names no
+splits, as before; validation or test, a folder's files named for them or a DatasetDict's split,
+hf_data), none held out, and evaluated by the Trainer's own evaluation loop
 (training/evaluation.py), so the numbers are those a training run reports: `eval_loss` is the
 summed cross-entropy over every counted token (labels other than -100, after the shift) divided
 by their number, `eval_perplexity` its exponential, `eval_tokens` that number; on chat and
@@ -18,18 +20,21 @@ import tempfile
 from ..config.arguments import TrainingArguments
 
 
-def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
-    """{"eval_loss", "eval_perplexity", "eval_tokens"} of the model `options.model` on
-    `options.dataset` (options: the recipe's HFOptions, whose validation split is ignored)."""
+def evaluate(options, *, batch_size: int = 8, precision: str = "fp32", split: str = "train") -> dict:
+    """{"eval_loss", "eval_perplexity", "eval_tokens"} of the model `options.model` on the split
+    `split` of `options.dataset` (options: the recipe's HFOptions, whose validation split is
+    ignored)."""
     import torch
 
     from ..training.trainer import Trainer
     from .hf import choose_block_size, data_kind, load_data, load_model, method_options, model_folder
     from .hf_adapters import tokenizer_source
+    from .hf_data import check_split
 
+    check_split(options.dataset, split)  # one line, before any weight is read
     if data_kind(options) == "dpo":  # DPO's beta and loss_type where not given
         return evaluate_pairs(method_options(options, "dpo"), batch_size=batch_size,
-                              precision=precision)
+                              precision=precision, split=split)
     folder = model_folder(options.model, base_model=options.base_model)
     from .hf_vision import has_images, vision_config
 
@@ -37,14 +42,15 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     if vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None:
         from .hf_vision_run import evaluate_vision
 
-        return evaluate_vision(options, folder, batch_size=batch_size, precision=precision)
+        return evaluate_vision(options, folder, batch_size=batch_size, precision=precision,
+                               split=split)
     model, tokenizer = load_model(folder, base_model=options.base_model)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     options.validation_split_percentage = 0  # the whole data set is evaluated
     with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
         # The token cache goes where --cache-dir says, else nowhere lasting: evaluate writes no run.
         data = load_data(options, tokenizer, block_size, tokenizer_source(folder, options.base_model),
-                         options.cache_dir or scratch)
+                         options.cache_dir or scratch, split)
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
                                  precision=precision, report_to="none", disable_tqdm=True)
         trainer = Trainer(model, args, data_collator=getattr(data, "collator", None))
@@ -61,7 +67,8 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
     return result
 
 
-def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> dict:
+def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32",
+                   split: str = "train") -> dict:
     """DPO's numbers of the model `options.model` against the reference `options.ref_model` on
     every pair of `options.dataset`: eval_loss (the mean over pairs), eval_rewards/* and
     eval_logps/* with TRL's names (training/dpo.py), eval_pairs, and the pairs cut to the block
@@ -83,7 +90,7 @@ def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32") -> 
     use_chat_template(tokenizer, options.chat_template)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
     options.validation_split_percentage = 0  # every pair is evaluated
-    pairs, _, stats = load_pairs(options, tokenizer, block_size)
+    pairs, _, stats = load_pairs(options, tokenizer, block_size, split=split)
     with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
         args = DPOConfig(output_dir=scratch, per_device_eval_batch_size=batch_size,
                          precision=precision, report_to="none", disable_tqdm=True,

@@ -71,12 +71,14 @@ def load_prompts(options) -> tuple[list[dict], list[dict] | None]:
 
 def _validation_line(options, validation) -> str:
     if validation is None:
-        return "hputrain: validation: none (--validation-split-percentage 0)\n"
+        return (hf_data.splits_line(options.dataset, False)
+                + "hputrain: validation: none (--validation-split-percentage 0)\n")
     own = hf_data.VALIDATION_SPLIT in hf_data.saved_splits(options.dataset)
     where = ("the data set's own validation split" if own else
              f"the last {options.validation_split_percentage:g}% held out "
              "(--validation-split-percentage)")
-    return f"hputrain: validation: {where}, {len(validation)} prompt(s)\n"
+    return (hf_data.splits_line(options.dataset)
+            + f"hputrain: validation: {where}, {len(validation)} prompt(s)\n")
 
 
 def _header(options, model, trainer, rows: int, ref_folder) -> str:

@@ -77,14 +77,15 @@ class SFTData:
 
 
 def load_sft(path: str, fmt: str, tokenizer, block_size: int, options, *, cache_dir: str | Path,
-             tokenizer_folder: str | Path | None = None) -> SFTData:
+             tokenizer_folder: str | Path | None = None, split: str = hf_data.TRAIN_SPLIT) -> SFTData:
     """The SFT data set at `path` as training and validation blocks (or rows), built when read
     from the memory-mapped cache. `options` is the recipe's HFOptions (packing,
-    assistant_only_loss, completion_only_loss, validation_split_percentage, dataset_num_proc)."""
+    assistant_only_loss, completion_only_loss, validation_split_percentage, dataset_num_proc);
+    `split`: the split read as the training rows (hputrain evaluate --split reads another)."""
     percentage = options.validation_split_percentage
     own = percentage > 0 and hf_data.VALIDATION_SPLIT in hf_data.saved_splits(path)
     train, rows, cache_file, from_cache = encoded(path, fmt, tokenizer, options, cache_dir,
-                                                  tokenizer_folder, hf_data.TRAIN_SPLIT)
+                                                  tokenizer_folder, split)
     if own:
         held, more, _, cached = encoded(path, fmt, tokenizer, options, cache_dir, tokenizer_folder,
                                         hf_data.VALIDATION_SPLIT)

@@ -12,8 +12,9 @@ A stream has no length: --max-steps sets the run's length. A pass over a rank's 
 epoch; when one rank's shards run out, every rank starts its next pass (data.MicroBatches), so
 what the others had left is never read: the header says when the shards do not split evenly over
 the ranks, and a line at the first pass's end names what is left (ShardStream.pass_ended). A
-shard folder has no split to hold out: a `validation` subfolder of shards is evaluated on (read
-whole, so keep it small), else there is no evaluation.
+shard folder has no split to hold out: its validation split (a `validation` subfolder of shards, or
+shards named for it, data/splits.py) is evaluated on (read whole, so keep it small), else there is
+no evaluation; its test shards are never read.
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ import torch
 
 from ..data import packing, sft
 from ..data.preference import is_preference
-from ..data.streaming import (VALIDATION_FOLDER, ShardStream, find_shards, first_row, read_rows,
-                              validation_shards)
+from ..data.streaming import ShardStream, find_shards, first_row, read_rows, validation_shards
 from ..errors import InputError
 from . import hf_data, hf_sft
 
@@ -148,7 +148,7 @@ def validation_set(shards: list[Path], encode, kind: str, block_size: int, pad: 
     items = (packing.pack(examples, block_size, pad)[0] if kind == "packed"
              else packing.unpacked(examples, block_size, pad)[0])
     if not items:
-        raise InputError(f"{where} ({VALIDATION_FOLDER}): no example has anything to learn within "
+        raise InputError(f"{where} (its validation split): no example has anything to learn within "
                          "--block-size tokens")
     return items
 
@@ -161,11 +161,11 @@ def stream_header(first_line: str, trainer, options, data: StreamData, block_siz
              f"example ({stream.buffer} examples at a time)", "rows": "one example a row, unpacked "
              "(--no-packing)"}[stream.packing]
     if data.validation is not None:
-        validation = (f"the {VALIDATION_FOLDER}/ subfolder of --dataset, {data.validation_files} "
+        validation = (f"the validation split of --dataset, {data.validation_files} "
                       f"shard(s), {hf_sft.counted(len(data.validation), 'block' if stream.packing != 'rows' else 'row')}")
     else:
-        validation = (f"none (--streaming evaluates on a {VALIDATION_FOLDER}/ subfolder of --dataset, "
-                      "and it has none)")
+        validation = ("none (--streaming evaluates on the validation split of --dataset, a "
+                      "validation/ subfolder or shards named for it, and it has none)")
     count = len(stream.all_shards)
     uneven = (f"; {count} shards do not split evenly over {ranks} ranks: a pass ends when the first "
               "rank's run out, and a line says what the others leave unread" if count % ranks else "")
@@ -175,4 +175,4 @@ def stream_header(first_line: str, trainer, options, data: StreamData, block_siz
             f"data-parallel rank i % {ranks}; rank 0 reads {len(stream.all_shards[::ranks])}{uneven}): "
             f"{shape} of {block_size} tokens, made on the fly; each checkpoint saves every rank's "
             "position in its stream (data_state_rankR.json)\n"
-            f"hputrain: validation: {validation}")
+            + hf_data.splits_line(options.dataset) + f"hputrain: validation: {validation}")

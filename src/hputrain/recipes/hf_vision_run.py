@@ -67,11 +67,12 @@ def image_format(options) -> str:
                      "none), or 'prompt' and 'completion' (with 'images'), or an 'image' column")
 
 
-def load_image_rows(options, processing, block_size: int, cache_dir):
+def load_image_rows(options, processing, block_size: int, cache_dir, split: str = "train"):
     """The data set's ImageData (data/vision/loading.py): its rows read as the text recipe reads
     them (hf_data.records), each image path relative to its data file; the encoded examples
     cached in `cache_dir` under a key of the split's data files and the tokenizer's (a rerun
-    reads them back; an image file edited in place is not in the key)."""
+    reads them back; an image file edited in place is not in the key). `split`: the split read as
+    the training blocks (hputrain evaluate --split reads another)."""
     from ..data.vision.loading import load_image_data
     from ..data.vision.rows import split_rows
     from . import hf_data
@@ -91,7 +92,7 @@ def load_image_rows(options, processing, block_size: int, cache_dir):
 
     return load_image_data(path, fmt, processing, block_size, options, cache_dir,
                            rows=lambda split: split_rows(path, split, hf_data.records, hf_data.source_files),
-                           splits=hf_data.saved_splits(path), cache_key=cache_key)
+                           splits=hf_data.saved_splits(path), cache_key=cache_key, train_split=split)
 
 
 def check_run(options, training_args) -> None:
@@ -175,6 +176,7 @@ def load_line(model, final: Path, options, processing) -> str:
 def header(trainer, model, options, data, processing, block_size: int) -> str:
     """The model line (its family), the processor, what is learned, the images, the blocks and
     the validation set."""
+    from . import hf_data
     from .hf_common import model_line
     from .hf_sft import counted, split_sizes
 
@@ -214,7 +216,8 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
             f"to learn, {stats.truncated} cut to {block_size} tokens (--block-size), "
             f"{stats.labels_cut} learned tokens cut\n"
             f"hputrain: {shape}, from {options.dataset}{_cached(data)}\n"
-            f"hputrain: validation: {validation}")
+            + hf_data.splits_line(options.dataset, options.validation_split_percentage > 0)
+            + f"hputrain: validation: {validation}")
 
 
 def _cached(data) -> str:
@@ -249,7 +252,8 @@ def _parts(model, options) -> str:
 
 # -- evaluate --------------------------------------------------------------------------------------
 
-def evaluate_vision(options, folder: Path, *, batch_size: int = 8, precision: str = "fp32") -> dict:
+def evaluate_vision(options, folder: Path, *, batch_size: int = 8, precision: str = "fp32",
+                    split: str = "train") -> dict:
     """`hputrain evaluate --model VLMDIR` on image data: eval_loss (the summed cross-entropy of
     every learned token over their number, as transformers' loss on each example, token-weighted),
     eval_perplexity, eval_tokens, and the examples the block size cut (examples_cut, tokens_cut)."""
@@ -263,7 +267,7 @@ def evaluate_vision(options, folder: Path, *, batch_size: int = 8, precision: st
                                    processing.tokenizer)
     options.validation_split_percentage = 0  # the whole data set is evaluated
     with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
-        data = load_image_rows(options, processing, block_size, options.cache_dir or scratch)
+        data = load_image_rows(options, processing, block_size, options.cache_dir or scratch, split)
         args = TrainingArguments(output_dir=scratch, per_device_eval_batch_size=batch_size,
                                  precision=precision, report_to="none", disable_tqdm=True)
         trainer = Trainer(model, args, data_collator=data.collator)

@@ -63,9 +63,11 @@ class ImageData:
 
 def load_image_data(path: str, fmt: str, processing, block_size: int, options,
                     cache_dir: str | Path | None = None, *, rows: Rows,
-                    splits: Sequence[str] = (), cache_key: Callable[[str], str] | None = None) -> ImageData:
+                    splits: Sequence[str] = (), cache_key: Callable[[str], str] | None = None,
+                    train_split: str = TRAIN_SPLIT) -> ImageData:
     """The image data set at `path` (rows of `fmt`, read by `rows(split)`; `splits`: its split
-    names) as blocks of block_size tokens. `options` is the recipe's HFOptions (packing,
+    names; `train_split`: the one read as the training blocks, another for hputrain evaluate
+    --split) as blocks of block_size tokens. `options` is the recipe's HFOptions (packing,
     validation_split_percentage, image_slots, dataset_num_proc, and the loss flags encode_split
     reads). The examples are cached in `cache_dir` when `cache_key(split)` gives the hash of
     the split's data files."""
@@ -80,7 +82,7 @@ def load_image_data(path: str, fmt: str, processing, block_size: int, options,
             return (*make(), None, False)
         return cached_split(cache_dir, cache_key(split), fmt, processing, options, make)
 
-    train, counted, cache_file, from_cache = encoded(TRAIN_SPLIT)
+    train, counted, cache_file, from_cache = encoded(train_split)
     if own:
         held, more, _, cached = encoded(VALIDATION_SPLIT)
         counted, from_cache = _add(counted, more), from_cache and cached
