@@ -72,6 +72,15 @@ class CallbackHost:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
 
+    def _end_callbacks(self, finished: bool) -> None:
+        """on_train_end, also after an error (callbacks close their files and runs); then an
+        error of a callback does not hide the one that ended training."""
+        if finished:
+            self._call("on_train_end")
+            return
+        with contextlib.suppress(Exception):
+            self._call("on_train_end")
+
     def add_callback(self, callback: Callback | type) -> None:
         """Append a callback (an instance, or a class to make one of)."""
         self.callbacks.append(callback() if isinstance(callback, type) else callback)

@@ -33,6 +33,8 @@ from .base import Callback
 
 TOP_OPS = 15
 """Operations listed in top_ops.txt and the summary."""
+PROFILE_DIR = "profile"
+"""In output_dir: the traces and tables."""
 
 
 class StepProfiler(Callback):
@@ -41,7 +43,7 @@ class StepProfiler(Callback):
     def __init__(self, settings: ProfilingSettings, accelerator, rank: int) -> None:
         self.first, self.last = settings.steps
         self.settings, self.accelerator, self.rank = settings, accelerator, rank
-        self.folder = Path(settings.output_dir) / "profile"
+        self.folder = Path(settings.output_dir) / PROFILE_DIR
         self.profiler = None
         self.begun: int | None = None  # the first step recorded, and the step under way
         self.current = 0

@@ -40,7 +40,10 @@ SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.json"  # the model's configuration, written the way its library writes it
 LOCK_FILE = ".hputrain.lock"  # in output_dir: one run at a time (see lock_output_dir)
-SET_ASIDE_DIR = ".overwritten"  # in output_dir: an earlier run's files, until replaced (start.py)
+SET_ASIDE_DIR = ".overwritten"  # in output_dir: earlier runs' files, a run-N each (start.py)
+_DROPPING = ".deleting-overwritten"  # SET_ASIDE_DIR renamed away before it is deleted
+FINAL_DIR = "final"  # in output_dir: the trained model as save_pretrained writes it, at a run's end
+RECIPE_FILE = "recipe.json"  # in output_dir: what `hputrain train` ran, written at its end
 _FOLDER_NAME = re.compile(r"checkpoint-(\d+)")
 # What a killed save, re-save or rotation leaves: .tmp-, .old- and .deleting-checkpoint-N.
 _LEFTOVER = re.compile(r"\.(tmp|old|deleting)-(checkpoint-\d+)")
@@ -131,6 +134,9 @@ def clear_leftovers(output_dir: str | os.PathLike) -> list[Path]:
     folder, removed = Path(output_dir), []
     if not folder.is_dir():
         return removed
+    if (folder / _DROPPING).is_dir():  # a kill while `drop_set_aside` deleted it
+        shutil.rmtree(folder / _DROPPING, ignore_errors=True)
+        removed.append(folder / _DROPPING)
     for child in sorted(folder.iterdir()):
         match = _LEFTOVER.fullmatch(child.name)
         if match is None or not child.is_dir():
@@ -233,9 +239,18 @@ def finalize(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
 
 
 def drop_set_aside(output_dir: str | os.PathLike) -> None:
-    """Delete what a run from the beginning set aside (start.py): it has now written what takes
-    its place, a checkpoint or its end. Rank 0 only."""
-    shutil.rmtree(Path(output_dir) / SET_ASIDE_DIR, ignore_errors=True)
+    """Delete what a run from the beginning set aside (start.py): it has now a complete
+    checkpoint or final/ on disk to take its place. Renamed away first, so that a kill midway
+    leaves no half-deleted run in SET_ASIDE_DIR (`clear_leftovers` ends the job). Rank 0 only."""
+    aside, gone = Path(output_dir) / SET_ASIDE_DIR, Path(output_dir) / _DROPPING
+    if not aside.exists():
+        return
+    shutil.rmtree(gone, ignore_errors=True)  # one a kill left: a folder is not renamed over
+    try:
+        os.replace(aside, gone)
+    except OSError:  # it cannot be renamed: deleted where it is, as it can be
+        gone = aside
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:

@@ -254,9 +254,9 @@ class TrainingArguments:
     fsdp_transformer_layer_cls_to_wrap: list[str] | str | None = None
     """Hugging Face's spelling of fsdp_block_classes."""
     overwrite_output_dir: bool = False
-    """Start over in an output_dir that holds an earlier run's checkpoints: they and its logs
-    (metrics.jsonl ...) are set aside in output_dir/.overwritten, deleted once this run has
-    saved a checkpoint or ended."""
+    """Start over in an output_dir that holds an earlier run's checkpoints or final/: they and
+    its logs (metrics.jsonl ...) are set aside in output_dir/.overwritten/run-N, deleted once
+    this run has a checkpoint or its final/ on disk."""
     do_train: bool = False
     """Accepted from Hugging Face scripts, no effect: the script calls train()."""
     do_eval: bool = False

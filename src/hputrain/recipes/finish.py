@@ -1,10 +1,12 @@
 """The end of every recipe's run (gpt.py, hf.py): the final model written with save_pretrained's
-layout, the recipe beside the checkpoints, the run's files listed and plotted."""
+layout, the recipe beside the checkpoints, the run's files listed and plotted. A run that had
+already reached its last step (TrainOutput.already_done) ends at train(), writing none of them."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..checkpoint.folder import FINAL_DIR, RECIPE_FILE, SET_ASIDE_DIR
 from ..checkpoint.saving import latest_checkpoint
 from ..config.fields import ConfigError
 from ..execution.kernels import describe
@@ -19,10 +21,11 @@ def kernels_line(trainer) -> str:
 def save_final(trainer, output) -> Path | None:
     """The trained model as `save_pretrained` writes it, in output_dir/final; None when the run
     was stopped by a signal (its checkpoint is what to resume from) or the model's kind cannot
-    be exported (said on the main rank: the run and its checkpoints are fine)."""
+    be exported (said on the main rank: the run and its checkpoints are fine). Once written,
+    what an earlier run left set aside is deleted (Trainer.save_model)."""
     if output.interrupted_by is not None:
         return None
-    folder = Path(trainer.args.output_dir) / "final"
+    folder = Path(trainer.args.output_dir) / FINAL_DIR
     try:
         trainer.save_model(str(folder))
     except NotImplementedError as exc:
@@ -45,11 +48,24 @@ def report_outputs(trainer, output) -> int | None:
     except ValueError as exc:  # matplotlib missing: the run itself is fine
         print(f"no plots: {exc}")
     if output.interrupted_by is not None:
-        print(f"stopped by signal {output.interrupted_by}; resume with --resume-from-checkpoint latest")
+        print(stopped_line(out, output, checkpoint))
         return 128 + output.interrupted_by
-    if (out / "final").is_dir():
-        print(f"final:      {out / 'final'}")
+    if (out / FINAL_DIR).is_dir():
+        print(f"final:      {out / FINAL_DIR}")
     return None
+
+
+def stopped_line(out: Path, output, checkpoint: Path | None) -> str:
+    """What a run stopped by a signal leaves: a checkpoint to resume, or, where it saved none
+    (--save-steps -1, or a stop before its first save), what there is instead: no advice to
+    resume what cannot be resumed."""
+    said = f"stopped by signal {output.interrupted_by} at step {output.global_step}"
+    if checkpoint is not None:
+        return f"{said}; resume with --resume-from-checkpoint latest"
+    aside = out / SET_ASIDE_DIR
+    kept = f"; the earlier run set aside is kept whole in {aside}" if aside.is_dir() else ""
+    return (f"{said} with no checkpoint saved, so there is nothing to resume: this run left only "
+            f"its logs (metrics.jsonl){kept}")
 
 
 def write_recipe(output_dir: str, record: dict) -> None:
@@ -57,6 +73,6 @@ def write_recipe(output_dir: str, record: dict) -> None:
     written once the run has ended (train() holds output_dir's lock while it runs)."""
     out = Path(output_dir)
     try:
-        (out / "recipe.json").write_text(json.dumps(record, indent=2))
+        (out / RECIPE_FILE).write_text(json.dumps(record, indent=2))
     except OSError as exc:
         raise ConfigError(f"output_dir {out} cannot be written: {exc.strerror} ({exc.filename})") from None

@@ -83,6 +83,8 @@ def run(options: RecipeOptions, training_args, accelerator_config) -> int:
               f"{options.corpus or 'the Python standard library'}"
               f"{kernels_line(trainer)}")
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     device = next(model.parameters()).device  # the host after lazy mode
     # a sharded model's forward is a collective: every rank samples (the same tokens, seeded)
     sharded = trainer.strategy.shards_state and output.interrupted_by is None

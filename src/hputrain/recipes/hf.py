@@ -281,6 +281,8 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
               if options.streaming
               else _header(trainer, model, options, data, block_size))
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
     if not trainer.group.is_main:
         return 0

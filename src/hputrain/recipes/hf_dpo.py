@@ -65,6 +65,8 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
                       block_size, reference, pair_shape(hf_data.columns_of(options.dataset) or []))
               + _defaults_line(training_args))
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     final = save_final(trainer, output)
     if not trainer.group.is_main:
         return 0

@@ -42,6 +42,8 @@ def run_grpo(options, training_args, accelerator_config, folder: Path, model, to
         print(_header(options, model, trainer, len(rows), ref_folder)
               + _validation_line(options, validation))
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     final = save_final(trainer, output)
     if not trainer.group.is_main:
         return 0

@@ -70,6 +70,8 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
         print(_header(trainer, model, options, shape, head, stats, len(train),
                       len(validation or ()), block_size), end="")
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
     if not trainer.group.is_main:
         return 0

@@ -145,6 +145,8 @@ def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
     if trainer.group.is_main:
         print(header(trainer, model, options, data, processing, block_size))
     output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
     final = save_final(trainer, output)  # every rank: a sharded model is gathered first
     if not trainer.group.is_main:
         return 0

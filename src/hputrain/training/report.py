@@ -205,6 +205,7 @@ _PLOTS = (
     ("memory.png", ("memory_allocated_gb", "max_memory_allocated_gb"), _plot_memory),
     ("router.png", ("aux_loss", "eval_aux_loss"), _plot_router),
 )
+PLOT_FILES = tuple(filename for filename, _, _ in _PLOTS)  # what write_report may write
 
 
 def write_report(run_dir: str | Path) -> list[Path]:

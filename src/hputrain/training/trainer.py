@@ -26,11 +26,13 @@ import torch
 from ..accelerators import detect_accelerator
 from ..callbacks import (Callback, CallbackHost, for_every_trainer, profiling_callbacks,
                          reporting_callbacks, show_message)
+from ..callbacks.profiler import PROFILE_DIR
 from ..callbacks.writers import METRICS_FILE, TENSORBOARD_DIR, notice
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
-from ..checkpoint.folder import checkpoint_dir, drop_set_aside, lock_output_dir, rotate_checkpoints
-from ..checkpoint.start import Start, agree_on_start, load_start
+from ..checkpoint.folder import (FINAL_DIR, RECIPE_FILE, checkpoint_dir, drop_set_aside,
+                                 lock_output_dir, rotate_checkpoints)
+from ..checkpoint.start import Start, agree_on_start, load_start, reached_end
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments, as_training_arguments, check_trainer_kwargs
 from ..config.sections import Sections
@@ -54,6 +56,7 @@ from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
 from .packed import PACKING_KEYS
 from .prepare import prepare_model
+from .report import PLOT_FILES
 from .router import router_of, token_mask
 from .rewards import COMPLETIONS_FILE
 from .signals import StopSignals
@@ -66,6 +69,7 @@ class TrainOutput:
     training_loss: float | None
     metrics: dict = field(default_factory=dict)
     interrupted_by: int | None = None  # the signal the ranks agreed to stop early for, if any
+    already_done: bool = False  # the run had reached its last step before: nothing trained or written
 
 
 class Trainer(CallbackHost):
@@ -149,7 +153,9 @@ class Trainer(CallbackHost):
             self.group.barrier()
             start = agree_on_start(self.group, self.args.output_dir, resume_from_checkpoint
                                    or self.args.resume_from_checkpoint,
-                                   overwrite=self.args.overwrite_output_dir, logs=_RUN_LOGS)
+                                   overwrite=self.args.overwrite_output_dir, files=_RUN_FILES,
+                                   metrics=METRICS_FILE)
+            self._job = start.job  # recorded in this run's checkpoints: its restarts continue them
             if start.note is not None:  # starting from the beginning: what of an earlier run moved
                 self.log_message(start.note)
             self._signals.install()  # after the barrier: see signals.py
@@ -171,6 +177,9 @@ class Trainer(CallbackHost):
         _seed_everything(args.seed)
         batches = self.train_batches()
         total_steps = self.total_steps = total_steps_of(batches, args.max_steps, args.num_train_epochs)
+        if (done := reached_end(start, total_steps)) is not None:  # a finished run, run again
+            self.log_message(done)
+            return TrainOutput(start.step, None, already_done=True)
         intervals = Intervals(settings.schedule, batches.steps_per_epoch, total_steps)
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
@@ -278,18 +287,7 @@ class Trainer(CallbackHost):
         if fallbacks := self.kernels.get(kernels.FALLBACK):  # calls a fused kernel could not take
             summary["attention_fallback_calls"] = fallbacks
         self._call("on_log", summary)
-        if self.group.is_main:  # the run ended: what an earlier one left is replaced
-            drop_set_aside(self.args.output_dir)
         return summary
-
-    def _end_callbacks(self, finished: bool) -> None:
-        """on_train_end, also after an error (callbacks close their files and runs); then an
-        error of a callback does not hide the one that ended training."""
-        if finished:
-            self._call("on_train_end")
-            return
-        with contextlib.suppress(Exception):
-            self._call("on_train_end")
 
     # -- callbacks -----------------------------------------------------------------------------
     def log_message(self, text: str) -> None:
@@ -536,16 +534,18 @@ class Trainer(CallbackHost):
     def save_model(self, output_dir: str | None = None) -> None:
         """What `save_pretrained` writes, into `output_dir` (default: args.output_dir/final):
         see checkpoint/export.py. Every rank calls it (a sharded model is gathered first)."""
-        folder = output_dir if output_dir is not None else f"{self.args.output_dir}/final"
+        final = Path(self.args.output_dir) / FINAL_DIR
+        folder = Path(output_dir) if output_dir is not None else final
         export.save_model(self.model, folder, tokenizer=self.processing_class, group=self.group)
+        if self.group.is_main and folder.resolve() == final.resolve():  # complete on disk: what an
+            drop_set_aside(self.args.output_dir)  # earlier run left is replaced (checkpoint/start.py)
 
     # -- checkpoints and signals ---------------------------------------------------------------
     def _state(self, batches: MicroBatches) -> dict:
-        state = {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
-                 "world_size": self.group.world_size, "seed": self.args.seed,
-                 "global_batch_size": batches.global_batch_size, **self.best.state(),
-                 **self.objective.state()}
-        return state  # the model's own configuration is its config.json (checkpoint/full.py)
+        return {"global_step": self.global_step, "epoch": batches.epoch_of(self.global_step),
+                "world_size": self.group.world_size, "seed": self.args.seed, "job": self._job,
+                "global_batch_size": batches.global_batch_size, **self.best.state(),
+                **self.objective.state()}  # the model's configuration: its config.json (full.py)
 
     def _save(self, batches: MicroBatches) -> Path:
         # the strategy decides how the state is written; the last save of a run that stops (at
@@ -582,8 +582,9 @@ class Trainer(CallbackHost):
                          f"{self.best.metric:g})")
 
 
-# what a run appends to in output_dir: an earlier run's, set aside by a run from the beginning
-_RUN_LOGS = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE)
+# what a run writes into output_dir (recipes' too): set aside by a run from the beginning (start.py)
+_RUN_FILES = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINAL_DIR, RECIPE_FILE,
+              *PLOT_FILES)
 
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
