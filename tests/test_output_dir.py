@@ -107,6 +107,21 @@ def test_taking_the_lock_clears_leftovers(tmp_path):
         assert not (tmp_path / ".deleting-checkpoint-7").exists()
 
 
+def test_dropping_what_was_set_aside_never_leaves_half_a_run_in_it(tmp_path, monkeypatch):
+    """drop_set_aside renames .overwritten away before deleting it: a kill midway leaves
+    .deleting-overwritten, which the next start clears, never a half-deleted run in .overwritten."""
+    run = tmp_path / ckpt.SET_ASIDE_DIR / "run-1"
+    save(run, 2)
+    deleted = []
+    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda path, **kw: deleted.append(Path(path)))  # "killed"
+    ckpt.drop_set_aside(tmp_path)
+    monkeypatch.undo()
+    assert deleted[-1] == tmp_path / ".deleting-overwritten" and not run.parent.exists()
+    assert clear_leftovers(tmp_path) == [tmp_path / ".deleting-overwritten"]
+    assert list(tmp_path.iterdir()) == []
+    ckpt.drop_set_aside(tmp_path)  # nothing set aside: nothing to do
+
+
 def _regular_file(tmp_path):
     (tmp_path / "file").write_text("x")
     return tmp_path / "file"

@@ -1,27 +1,35 @@
-"""Issue 39, item 1: where a run starts in its output_dir. One command line serves a preemptible
-job's first run and its reruns (`--resume-from-checkpoint latest` starts from the beginning, in
-one line, where there is no checkpoint yet); a run without it refuses, in one line, an output_dir
-holding an earlier run's checkpoints; `--overwrite-output-dir` starts over and deletes nothing of
-the earlier run before it has written something in its place. For every method, through the
-command line, and for two processes."""
+"""Issue 39, item 1, and issue 46: where a run starts in its output_dir. One command line serves a
+preemptible job's first run and its reruns (`--resume-from-checkpoint latest` starts from the
+beginning, in one line, where there is no checkpoint yet, and says in one line, writing nothing,
+that a finished run is finished); a run without it refuses, in one line, an output_dir holding an
+earlier run's checkpoints or final/; `--overwrite-output-dir` starts over and deletes nothing of
+the earlier run before a checkpoint or final/ of its own is on disk; a restart of a job continues
+only that job's checkpoints. A table of rerun cases, every method through the command line, and
+two processes."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hputrain import Callback, Trainer, TrainingArguments
 from hputrain.checkpoint.folder import SET_ASIDE_DIR
-from hputrain.checkpoint.start import plan_start
-from hputrain.errors import InputError
+from hputrain.checkpoint.saving import save_checkpoint
+from hputrain.checkpoint.start import job_identity, plan_start, reached_end
+from hputrain.errors import EveryRankError, InputError
+from hputrain.recipes import finish
+from hputrain.recipes.finish import report_outputs, save_final, write_recipe
+from hputrain.training.trainer import TrainOutput
 
 from .hf_fixtures import tiny_llama_folder
-from .test_checkpoint import save
+from .test_checkpoint import CPUAccelerator, save, tiny_run
 from .test_trainer import Regression, regression_data
 
 BOTH_FLAGS = ("--resume-from-checkpoint latest", "--overwrite-output-dir")
@@ -44,6 +52,22 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
+def files_of(out: Path) -> dict[str, str]:
+    """Every file a run left in `out` (its lock and what it set aside apart), with a hash each."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".hputrain.lock"
+            and SET_ASIDE_DIR not in p.relative_to(out).parts}
+
+
+def save_of_job(out: Path, step: int, job: str | None) -> Path:
+    """Checkpoint `step` of a run whose job identity is `job` (None: written before jobs were
+    recorded)."""
+    model, optimizer, scheduler = tiny_run()
+    state = {"epoch": 0} if job is None else {"epoch": 0, "job": job}
+    return save_checkpoint(out, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                           state=state, accelerator=CPUAccelerator())
+
+
 # -- the decision ------------------------------------------------------------------------------------
 
 def test_the_decision_for_each_folder_and_flags(tmp_path):
@@ -61,8 +85,6 @@ def test_the_decision_for_each_folder_and_flags(tmp_path):
     assert plan_start(empty, None, overwrite=False) == plan_start(empty, None, overwrite=True)
     assert plan_start(empty, None, overwrite=False).fresh
     assert plan_start(run, None, overwrite=True).fresh
-    # torchrun restarted the job: its own newest checkpoint, without being asked
-    assert plan_start(run, None, overwrite=False, restarted=True).checkpoint == run / "checkpoint-4"
     assert plan_start(empty, None, overwrite=False, restarted=True).fresh
 
     for folder, newest in ((run, "2 checkpoints of an earlier run (the newest: checkpoint-4)"),
@@ -73,6 +95,89 @@ def test_the_decision_for_each_folder_and_flags(tmp_path):
     both = plan_start(run, "latest", overwrite=True).error
     assert "--overwrite-output-dir" in both and "--resume-from-checkpoint" in both
     assert "does not exist" in plan_start(run, "checkpoint-9", overwrite=False).error
+    assert plan_start(run, "latest", overwrite=False).step == 4  # for reached_end
+
+
+def test_a_restart_continues_only_its_own_jobs_checkpoints(tmp_path):
+    """torchrun restarted the job (issue 46, item 1): "latest" unasked only where the newest
+    checkpoint is this job's; another job's (or one written before jobs were recorded) is
+    refused as a run from the beginning refuses it, and an overwrite sets it aside."""
+    own, other, unnamed = tmp_path / "own", tmp_path / "other", tmp_path / "unnamed"
+    save_of_job(own, 2, "job-a")
+    save_of_job(own, 4, "job-a")
+    save_of_job(other, 4, "job-b")
+    save_of_job(unnamed, 4, None)
+    restart = dict(overwrite=False, restarted=True, job="job-a")
+    assert plan_start(own, None, **restart).checkpoint == own / "checkpoint-4"
+    for folder in (other, unnamed):
+        refused = plan_start(folder, None, **restart)
+        assert refused.checkpoint is None and refused.error == plan_start(folder, None, overwrite=False).error
+        assert "1 checkpoint of an earlier run (checkpoint-4)" in refused.error
+        assert plan_start(folder, None, overwrite=True, restarted=True, job="job-a").fresh
+        assert plan_start(folder, "latest", **restart).checkpoint == folder / "checkpoint-4"  # asked
+    assert plan_start(own, None, overwrite=False, restarted=False, job="job-a").error  # no restart
+
+
+def identity_in_child(worker: bool) -> str:
+    """job_identity() in a child of this process: a worker of an agent (TORCHELASTIC_RUN_ID set,
+    as torch's agent sets it), or a process of its own."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only os calls and the function under test, then _exit
+        try:
+            if worker:
+                os.environ["TORCHELASTIC_RUN_ID"] = "none"
+            else:
+                os.environ.pop("TORCHELASTIC_RUN_ID", None)
+            os.write(write, job_identity().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        said = answer.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_the_job_identity_is_the_agents(monkeypatch):
+    """What a restart compares: the same for every process one agent starts (torch's agent is
+    the workers' parent, and stays across restarts), another for another agent."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    workers = [identity_in_child(True) for _ in range(2)]
+    own = [identity_in_child(False) for _ in range(2)]
+    assert workers[0] == workers[1] == job_identity()  # this process is the workers' agent
+    assert len({workers[0], *own}) == 3  # a process of its own is a job of its own
+    host, _, pid, started = own[0].split("/")
+    assert host == os.uname().nodename and int(pid) != os.getpid() and started.isdigit()
+
+
+def test_a_finished_run_and_the_decision_on_it(tmp_path):
+    """A folder with only the final/ of a finished run (--save-steps -1) is an earlier run:
+    refused without a flag; under "latest" it is at the step its log ended at (reached_end then
+    says so, or refuses more steps: nothing to continue from); set aside by an overwrite."""
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    records = [{"step": 2, "loss": 1.0}, {"step": 4, "loss": 0.5}, {"step": 4, "train_runtime": 1}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"ste')
+    assert plan_start(out, None, overwrite=False).error == (
+        f"output_dir {out} holds the final model of an earlier run (final/): add "
+        "--overwrite-output-dir to start over")
+    assert plan_start(out, None, overwrite=True).fresh
+    finished = plan_start(out, "latest", overwrite=False, metrics="metrics.jsonl")
+    assert (finished.checkpoint, finished.fresh, finished.step, finished.error) == (None, False, 4, None)
+    assert reached_end(finished, 4) == ("the run has already reached max_steps (4): the final model "
+                                        "(final/) is at step 4; nothing trained, nothing written")
+    with pytest.raises(EveryRankError, match="finished at step 4 and kept no checkpoint to continue "
+                                             "it to step 8 from, only final/: add --overwrite-output-dir"):
+        reached_end(finished, 8)
+    assert "no checkpoint to continue it from" in plan_start(
+        out, "latest", overwrite=False, metrics="nothing.jsonl").error  # no log: no step to tell
+    save(out, 4)
+    resumed = plan_start(out, "latest", overwrite=False, metrics="metrics.jsonl")
+    assert reached_end(resumed, 4) == (f"the run has already reached max_steps (4): {out / 'checkpoint-4'}"
+                                       " is at step 4; nothing trained, nothing written")
+    assert reached_end(resumed, 6) is None and reached_end(plan_start(tmp_path / "new", "latest",
+                                                                      overwrite=False), 1) is None
 
 
 class FailAt(Callback):
@@ -109,9 +214,10 @@ def test_overwrite_deletes_nothing_before_the_new_run_saves(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="on purpose"):
         regression_run(out, [FailAt(2)], overwrite_output_dir=True).train()
     assert ("starting from the beginning; the earlier run's 2 checkpoints, metrics.jsonl set aside "
-            f"in {out / SET_ASIDE_DIR}") in capsys.readouterr().out
+            f"in {out / SET_ASIDE_DIR / 'run-1'} until this run has a checkpoint or its final/ on "
+            "disk") in capsys.readouterr().out
     aside = out / SET_ASIDE_DIR
-    assert snapshot(aside) == earlier  # all of it, moved, nothing deleted
+    assert snapshot(aside / "run-1") == earlier  # all of it, moved, nothing deleted
     assert not list(out.glob("checkpoint-*")) and steps_of(out) == [1]
     assert plan_start(out, "latest", overwrite=False).checkpoint is None
 
@@ -119,6 +225,137 @@ def test_overwrite_deletes_nothing_before_the_new_run_saves(tmp_path, capsys):
     assert not aside.exists()  # replaced by this run's checkpoint
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert steps_of(out) == [1, 2, 3]
+
+
+# -- the rerun cases (issue 46) ----------------------------------------------------------------------
+
+class StopAt(Callback):
+    """SIGTERM to this process at the end of step `step`, as a scheduler preempts a job."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def recipe_run(out: Path, stop_at: int | None = None, **overrides) -> TrainOutput:
+    """One run as `hputrain train`'s recipes make it (recipes/gpt.py): train(), then final/,
+    recipe.json and the report, unless the run had already reached its last step."""
+    trainer = regression_run(out, [StopAt(stop_at)] if stop_at else [], **overrides)
+    output = trainer.train()
+    if output.already_done:
+        return output
+    save_final(trainer, output)
+    write_recipe(str(out), {"seed": trainer.args.seed})
+    report_outputs(trainer, output)
+    return output
+
+
+LATEST, OVERWRITE = {"resume_from_checkpoint": "latest"}, {"overwrite_output_dir": True}
+NO_SAVES = {"save_steps": -1}
+
+# case: (the earlier runs, the rerun, what the rerun says (or, refused, its error), the steps
+# metrics.jsonl holds after it, the earlier runs found whole in .overwritten/run-1, run-2 ...
+# (their indices), the checkpoints in output_dir after it). "unchanged" for the steps: output_dir
+# is byte for byte what the earlier runs left.
+RERUNS = {
+    "fresh": ([], {}, None, [1, 2, 3, 4], [], [2, 4]),
+    "latest with checkpoints": ([{}], LATEST | {"max_steps": 6}, None, [1, 2, 3, 4, 5, 6], [], [2, 4, 6]),
+    "latest without checkpoints": ([{"stop_at": 3} | NO_SAVES], LATEST, "no checkpoint in",
+                                   [1, 2, 3, 4], [], [2, 4]),
+    "finished, latest": ([{}], LATEST, "already reached max_steps (4): ", "unchanged", [], [2, 4]),
+    "finished, final/ only, latest": ([NO_SAVES], LATEST, "the final model (final/) is at step 4",
+                                      "unchanged", [], []),
+    "finished, final/ only, latest, more steps": (
+        [NO_SAVES], LATEST | {"max_steps": 6}, "refused: finished at step 4 and kept no checkpoint",
+        "unchanged", [], []),
+    "finished, final/ only, no flag": ([NO_SAVES], {}, "refused: holds the final model of an earlier run",
+                                       "unchanged", [], []),
+    "finished, no flag": ([{}], {}, "refused: holds 2 checkpoints of an earlier run", "unchanged",
+                          [], [2, 4]),
+    "overwrite stopped before its first save": (
+        [{}], OVERWRITE | NO_SAVES | {"stop_at": 3}, "set aside in", [1, 2, 3], [0], []),
+    "overwrite after its first save": ([{}], OVERWRITE | {"max_steps": 3}, None, [1, 2, 3], [], [2, 3]),
+    "overwrite finished without checkpoints": ([{}], OVERWRITE | NO_SAVES, None, [1, 2, 3, 4], [], []),
+    "a second overwrite, both stopped before a save": (
+        [{}, OVERWRITE | NO_SAVES | {"stop_at": 2}], OVERWRITE | NO_SAVES | {"stop_at": 1},
+        "run-2 until", [1], [0, 1], []),
+}
+
+
+@pytest.fixture
+def quick_plots(monkeypatch):
+    """report_outputs' plots as small files of the same names, whose bytes follow metrics.jsonl
+    (matplotlib took nearly 2 s a run)."""
+    def write_report(out):
+        plot = Path(out) / "loss.png"
+        metrics = Path(out) / "metrics.jsonl"
+        plot.write_bytes(hashlib.sha256(metrics.read_bytes() if metrics.exists() else b"").digest())
+        return [plot]
+    monkeypatch.setattr(finish, "write_report", write_report)
+
+
+@pytest.mark.parametrize("case", RERUNS)
+def test_rerun_cases(case, tmp_path, capsys, quick_plots):
+    """What each rerun keeps and deletes (docs/reliability.md's table): an earlier run is set
+    aside whole (checkpoints, final/, logs, recipe.json, plots), one folder per run, until the
+    rerun has a checkpoint or final/ on disk; a finished run run again writes nothing."""
+    earlier, rerun, says, steps, aside, checkpoints = RERUNS[case]
+    out, left = tmp_path / "out", []
+    for overrides in earlier:
+        recipe_run(out, **overrides)
+        left.append(files_of(out))
+    capsys.readouterr()
+    if says is not None and says.startswith("refused: "):
+        with pytest.raises(InputError, match=says.removeprefix("refused: ")):
+            recipe_run(out, **rerun)
+    else:
+        output = recipe_run(out, **rerun)
+        assert output.already_done == (steps == "unchanged")
+        printed = capsys.readouterr().out
+        assert says is None or says in printed, printed
+        assert "resume with" not in printed or list(out.glob("checkpoint-*")), printed
+    if steps == "unchanged":
+        assert files_of(out) == left[-1]
+    else:
+        assert steps_of(out) == steps
+    runs = sorted((out / SET_ASIDE_DIR).glob("run-*")) if (out / SET_ASIDE_DIR).exists() else []
+    assert [p.name for p in runs] == [f"run-{i + 1}" for i in range(len(aside))]
+    for folder, index in zip(runs, aside):
+        assert files_of(folder) == left[index]  # whole: nothing of it deleted or mixed
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == checkpoints
+
+
+def test_the_set_aside_run_goes_once_final_is_complete(tmp_path, quick_plots):
+    """With no checkpoints (--save-steps -1), an overwrite's earlier run stays set aside when
+    train() returns, and goes once final/ is written; a model saved elsewhere is not final/."""
+    out = tmp_path / "out"
+    recipe_run(out)
+    trainer = regression_run(out, **OVERWRITE, **NO_SAVES)
+    assert trainer.train().interrupted_by is None
+    assert (out / SET_ASIDE_DIR / "run-1" / "checkpoint-4").is_dir()
+    trainer.save_model(str(tmp_path / "elsewhere"))
+    assert (out / SET_ASIDE_DIR / "run-1" / "final").is_dir()
+    trainer.save_model()
+    assert not (out / SET_ASIDE_DIR).exists() and (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_stop_with_no_checkpoint_says_what_is_left(tmp_path, capsys, quick_plots):
+    """A run stopped by a signal advises resuming only where a checkpoint is there to resume."""
+    out = tmp_path / "out"
+    (out / SET_ASIDE_DIR / "run-1").mkdir(parents=True)
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(out)))
+    stopped = TrainOutput(5, None, interrupted_by=signal.SIGTERM)
+    assert report_outputs(trainer, stopped) == 143
+    assert (f"stopped by signal 15 at step 5 with no checkpoint saved, so there is nothing to resume: "
+            f"this run left only its logs (metrics.jsonl); the earlier run set aside is kept whole "
+            f"in {out / SET_ASIDE_DIR}\n") in capsys.readouterr().out
+    save(out, 5)
+    assert report_outputs(trainer, stopped) == 143
+    assert "stopped by signal 15 at step 5; resume with --resume-from-checkpoint latest\n" in \
+        capsys.readouterr().out
 
 
 # -- every method, through the command line ---------------------------------------------------------
@@ -198,6 +435,13 @@ def test_one_command_line_for_the_first_run_and_the_reruns(method, llama, tmp_pa
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoint-2")} == \
         {k: v for k, v in saved.items() if k.startswith("checkpoint-2")}
 
+    finished = files_of(out)  # final/, recipe.json and the plots too
+    status, stdout, err = cli_here(*argv, *latest, "--max-steps", "3")  # the finished run again
+    assert status == 0, err[-2000:]
+    assert (f"the run has already reached max_steps (3): {out / 'checkpoint-3'} is at step 3; "
+            "nothing trained, nothing written\n") in stdout
+    assert "final:" not in stdout and files_of(out) == finished  # no eval, summary or final/ again
+
 
 # -- two processes ------------------------------------------------------------------------------------
 
@@ -240,3 +484,28 @@ def test_two_processes_agree_where_the_run_starts(tmp_path):
     rerun = hputrain(*run, "--devices", "2", "--max-steps", "3", "--resume-from-checkpoint", "latest")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "starting from the beginning" not in rerun.stdout and steps_of(out) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_restart_refuses_another_runs_checkpoints(tmp_path, cli_here):
+    """Under `hputrain launch --max-restarts`, a restart is not a licence to continue whatever
+    output_dir holds (issue 46, item 1): a job whose first attempt failed before its run began
+    (exit 1, restarted) and whose output_dir holds an earlier run's checkpoints is refused on
+    the restart as the first attempt would have been, in one line, exit 2, nothing written. (A
+    restart that continues its own job's checkpoint: test_distributed.py's max_restarts test.)"""
+    out = tmp_path / "run"
+    run = ["train", "--output-dir", out, "--seq-len", "32", "--max-corpus-bytes", "20000",
+           "--per-device-train-batch-size", "4", "--eval-batches", "1", "--save-steps", "2",
+           "--logging-steps", "1", "--disable-tqdm", "--report-to", "none"]
+    status, _, err = cli_here(*run, "--max-steps", "4")
+    assert status == 0, err[-2000:]
+    saved = files_of(out)
+    launched = hputrain("launch", "--nproc-per-node", "1", "--max-restarts", "1", "--cpu",
+                        Path(__file__).with_name("fail_first_attempt_script.py"), *run,
+                        "--max-steps", "8", "--seed", "7")
+    assert launched.returncode == 2, launched.stderr[-3000:]
+    assert error_lines(launched.stderr)[-1] == (
+        f"hputrain launch: rank 0 failed (exit code 2): hputrain: error: output_dir {out} holds 2 "
+        "checkpoints of an earlier run (the newest: checkpoint-4): add --resume-from-checkpoint "
+        "latest to continue it, or --overwrite-output-dir to start over"), launched.stderr
+    assert files_of(out) == saved and steps_of(out) == [1, 2, 3, 4]

@@ -231,7 +231,7 @@ def test_the_encoded_examples_are_cached(tmp_path, capsys, chat_model, chat_rows
     assert "(--validation-split-percentage), 1 block\n" in stdout + "\n", stdout
     assert main(argv + ["--overwrite-output-dir"]) == 0
     assert "(from the cache" in capsys.readouterr().out
-    assert main(argv + ["--no-assistant-only-loss"]) == 0  # another key
+    assert main(argv + ["--no-assistant-only-loss", "--overwrite-output-dir"]) == 0  # another key
     assert "(cached in" in capsys.readouterr().out
 
 
