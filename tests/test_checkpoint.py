@@ -21,6 +21,7 @@ from hputrain.checkpoint.saving import (latest_checkpoint, load_checkpoint, reso
                                         save_checkpoint)
 from hputrain.errors import InputError
 from hputrain.models.gpt import GPT, GPTConfig
+from hputrain.training.optim import resume_notes
 
 SHAPE = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}
 
@@ -250,6 +251,49 @@ def test_distributed_save_writes_one_rng_file_per_rank(tmp_path):
     load_checkpoint(folder, model=tiny_run()[0], rank=1)
     with pytest.raises(ValueError, match="barrier"):
         save(tmp_path, 5, run, rank=0, world_size=2)
+
+
+def test_a_rank_the_checkpoint_has_no_generators_for_is_seeded_from_seed_rank_and_step(tmp_path):
+    """Issue 46 item 6: a checkpoint of 1 process resumed on more. Rank 0 restores its own
+    generators; a rank beyond the saving processes is seeded from the run's seed, its rank and the
+    step (every generator, as a run from the beginning is seeded), the same on every rerun, its own
+    for each rank; rank 0 says so in one line. A rank of the saving processes whose file is gone
+    is still a damaged checkpoint."""
+    model, optimizer, scheduler = tiny_run()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    folder = save_checkpoint(tmp_path, 4, model=model, optimizer=optimizer, scheduler=scheduler,
+                             state={"epoch": 0, "world_size": 1, "seed": 7},
+                             accelerator=CPUAccelerator())
+    saved = draws()
+
+    def after_loading(rank, path=folder):
+        load_checkpoint(path, model=tiny_run()[0], rank=rank)
+        return draws()
+
+    def seeded(seed):
+        random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
+        return draws()
+
+    assert after_loading(0) == saved
+    rank1 = after_loading(1)
+    assert rank1 == after_loading(1) == seeded(ckpt.derived_seed(7, 1, 4))
+    assert rank1 != saved and after_loading(2) not in (rank1, saved)
+    assert len({ckpt.derived_seed(seed, rank, step) for seed in (7, -7, 2**64 - 1)
+                for rank in (1, 2) for step in (4, 8)}) == 12
+    assert 0 <= ckpt.derived_seed(2**64 - 1, 7, 10**9) < 2**63
+
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert resume_notes(state, 2, scheduler, 1e-2, world_size=1) == []
+    assert resume_notes(state, 2, scheduler, 1e-2, world_size=2) == [
+        "resuming on 2 processes a checkpoint saved by 1 process: rank 1 has no saved generator "
+        "state, so its generators are seeded from seed 7, the rank and step 4"]
+    assert "ranks 1-3 have" in resume_notes(state, 2, scheduler, 1e-2, world_size=4)[0]
+    assert resume_notes({**state, "world_size": 2}, 2, scheduler, 1e-2, world_size=1) == []
+
+    two = json.loads((folder / "trainer_state.json").read_text()) | {"world_size": 2}
+    (folder / "trainer_state.json").write_text(json.dumps(two))
+    with pytest.raises(CheckpointError, match="rng_state_1.pt is missing"):
+        load_checkpoint(folder, model=tiny_run()[0], rank=1)
 
 
 def _corrupt_model(folder):

@@ -179,6 +179,36 @@ def _restore_rng(file: Path, accelerator) -> None:
             accelerator.set_rng_state(saved["device"])
 
 
+def derived_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of a rank the checkpoint holds no generator state for (it was saved by fewer
+    processes): drawn from the run's seed, the rank and the step, so that each such rank, and each
+    resume, has its own stream, the same on every rerun."""
+    words = np.random.SeedSequence([seed % 2**64, rank, step]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])  # 63 bits: every seeder takes it
+
+
+def _seed_rng(seed: int) -> None:
+    """Seed the four generators `write_rng_state` saves, as a run from the beginning does."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # the device's too, where it has its own (CUDA)
+
+
+def rng_note(state: dict, world_size: int) -> str | None:
+    """The line rank 0 says where ranks of this run have no generator state in the checkpoint
+    (`state`, its trainer state), so that `load_checkpoint` seeds them (`derived_seed`); None
+    where every rank has its own."""
+    saved = state.get("world_size", world_size)
+    if world_size <= saved:
+        return None
+    ranks = f"rank {saved}" if world_size - saved == 1 else f"ranks {saved}-{world_size - 1}"
+    processes = f"{saved} process{'' if saved == 1 else 'es'}"
+    return (f"resuming on {world_size} processes a checkpoint saved by {processes}: {ranks} "
+            f"{'has' if world_size - saved == 1 else 'have'} no saved generator state, so "
+            f"{'its' if world_size - saved == 1 else 'their'} generators are seeded from seed "
+            f"{state.get('seed', 0)}, the rank and step {state['step']}")
+
+
 def _reader_for(folder: Path, state_io: StateIO | None) -> StateIO:
     """How the folder's state is read: its shards when it has them (DCP loads them on any number
     of processes, into sharded or plain models alike), else its full files. A strategy that
@@ -197,9 +227,10 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
                     state_io: StateIO | None = None) -> dict:
     """Load a checkpoint folder into `model` (strict) and the optional optimizer and scheduler,
     restore rank `rank`'s generators, and return the trainer state. Raises CheckpointError.
-    With several processes every rank calls it (a sharded folder loads collectively). A sharded
-    checkpoint of fewer processes has no generator file for the ranks beyond its own: those
-    keep their seeded generators."""
+    With several processes every rank calls it (a sharded folder loads collectively). A
+    checkpoint of fewer processes (its state's world_size) has no generator file for the ranks
+    beyond its own: those are seeded from its seed, the rank and the step (`derived_seed`;
+    `rng_note` says so)."""
     folder = Path(path)
     _check_folder(folder)
     state = _read_state(folder / STATE_FILE)
@@ -208,8 +239,9 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     if scheduler is not None:
         with reading(folder / SCHEDULER_FILE):
             scheduler.load_state_dict(load_pt(folder / SCHEDULER_FILE))
-    resharded = reader.shards and rank >= state.get("world_size", 1)
-    if restore_rng and not resharded:
+    if restore_rng and rank >= state.get("world_size", rank + 1):  # saved by fewer processes
+        _seed_rng(derived_seed(state.get("seed", 0), rank, state["step"]))
+    elif restore_rng:
         _restore_rng(rng_file(folder, rank), accelerator)
     return state
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
+from ..checkpoint.saving import rng_note
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.names import OPTIMIZERS
 from ..config.sections import OptimizerSettings
@@ -62,10 +64,15 @@ def create_scheduler(optimizer, settings: OptimizerSettings, total_steps: int):
         optimizer, lr_lambda(settings.lr_scheduler_type, warmup_steps(settings, total_steps), total_steps))
 
 
-def resume_notes(state: dict, global_batch_size: int, scheduler, learning_rate: float) -> list[str]:
+def resume_notes(state: dict, global_batch_size: int, scheduler, learning_rate: float,
+                 world_size: int | None = None) -> list[str]:
     """One line for each setting a resumed run changes (the global batch, the learning rate),
-    saying which value wins. `state` is the checkpoint's trainer state ({} for a fresh run) and
-    `scheduler` the one it was loaded into."""
+    saying which value wins, and one for the ranks a checkpoint of fewer processes has no
+    generator state for. `state` is the checkpoint's trainer state ({} for a fresh run),
+    `scheduler` the one it was loaded into, `world_size` the run's processes (default: the
+    default process group's, 1 without one)."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     lines = []
     saved_batch = state.get("global_batch_size")
     if saved_batch is not None and saved_batch != global_batch_size:
@@ -76,4 +83,5 @@ def resume_notes(state: dict, global_batch_size: int, scheduler, learning_rate: 
     if saved_lr is not None and not math.isclose(saved_lr, learning_rate, rel_tol=1e-9):
         lines.append(f"resuming with learning_rate {learning_rate:g} where the checkpoint's "
                      f"run had {saved_lr:g}: the checkpoint's wins (its schedule continues)")
-    return lines
+    note = rng_note(state, world_size)
+    return lines if note is None else [*lines, note]
