@@ -1,5 +1,6 @@
 """What a checkpoint's files must hold before they are loaded: the trainer's state in
-trainer_state.json, and an optimizer state that fits the optimizer's parameters.
+trainer_state.json, and an optimizer state that fits the optimizer's parameters; and what a
+failed write of one was (`write_failure`).
 
 A crafted file that `torch.load(weights_only=True)` accepts can still hold tensors of the wrong
 shape, which a fused optimizer step would write through without looking. Each check raises
@@ -7,8 +8,11 @@ ValueError with the reason; checkpoint.py names the file and makes it one line.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 import pickle
 import re
 from pathlib import Path
@@ -38,6 +42,58 @@ def load_failure_reason(exc: BaseException) -> str:
                 "torch.load(weights_only=True) refused it: it holds more than tensors and plain data")
     text = text or type(exc).__name__
     return text if len(text) <= 300 else text[:294] + " (...)"
+
+
+_TORCH_WRITER = ("inline_container.cc", "PytorchStreamWriter")
+"""Words of the RuntimeError torch's zip writer (torch.save) raises when a write of it fails."""
+
+
+def write_failure(exc: BaseException) -> OSError | None:
+    """The system's error under a failed write, whichever library wrote: an OSError itself;
+    torch.save's RuntimeError ("[enforce fail at inline_container.cc:672] . unexpected pos"),
+    raised around the OSError of the file object's write that failed (a full disk), or with
+    none (EIO, then); safetensors' SafetensorError and tokenizers' Exception, which carry the
+    system's words and number ("File too large (os error 27)"). None for any other error, which
+    is no failed write. The OSError names a file where the failed call did (open does, write
+    does not)."""
+    text = (exc.strerror or "") if isinstance(exc, OSError) else str(exc)
+    number = re.search(r"\(os error (\d+)\)", text)  # Rust's words, as folder.writing keeps them
+    if number is not None:
+        return OSError(int(number.group(1)), os.strerror(int(number.group(1))),
+                       getattr(exc, "filename", None))
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, RuntimeError) and any(words in text for words in _TORCH_WRITER):
+        cause = exc.__cause__ or exc.__context__
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            return OSError(cause.errno, cause.strerror, cause.filename)
+        return OSError(errno.EIO, "torch.save stopped short of the whole file (a full disk?)")
+    return None
+
+
+@contextlib.contextmanager
+def named_write(file: Path):
+    """A failed write in the block (`write_failure`) raised as an OSError naming `file` where it
+    names none; any other error as it is."""
+    try:
+        yield
+    except Exception as exc:
+        error = write_failure(exc)
+        if error is None:
+            raise
+        name_file(error, file)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def name_file(error: OSError, file) -> None:
+    """`file` as the file of `error` where it names none (and has the system's words: an
+    OSError("...") of one argument would print as "[Errno None] None")."""
+    if not error.filename and error.strerror is not None:
+        error.filename = str(file)
 
 
 def _is_int(value) -> bool:

@@ -25,15 +25,20 @@ write worked, so a failure on the main rank is an error on every rank rather tha
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from ..errors import InputError
-from .folder import MODEL_FILE, finalize, os_reason
+from ..errors import EveryRankError, InputError
+from .checks import name_file, write_failure
+from .folder import ADAPTER_FILE, MODEL_FILE, finalize, os_reason
 from .host import each_once, gathered_state, is_sharded, unwrap_model
+from .model_folders import INDEX_FILE
+
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def _is_instance(model, module: str, name: str) -> bool:
@@ -83,19 +88,54 @@ def _write_weights(model: torch.nn.Module, folder: Path, state: dict, max_shard_
         save_file(each_once(state), str(folder / MODEL_FILE), metadata={"format": "pt"})
 
 
+def _weights_file(model) -> str:
+    """The weights file a library's writer writes: PEFT's adapter file, else MODEL_FILE (past
+    max_shard_size, transformers' shards are model-K-of-N.safetensors, which its failure does
+    not say: MODEL_FILE names them all)."""
+    return ADAPTER_FILE if is_peft_model(model) else MODEL_FILE
+
+
+@contextlib.contextmanager
+def _naming(tmp: Path, library_file: str):
+    """A failed write in the block (checks.write_failure: a full disk under a library's writer)
+    as an OSError naming its file: `library_file` where the library's own writer failed
+    (safetensors writes through a temporary file it removes, tokenizers in Rust: neither says
+    which), else the newest file in `tmp`, the one Python's write() was writing (it names none)."""
+    try:
+        yield
+    except Exception as exc:
+        error = write_failure(exc)
+        if error is None:
+            raise
+        if not error.filename:
+            files = [path for path in tmp.iterdir() if path.is_file()] if tmp.is_dir() else []
+            newest = max(files, key=lambda path: path.stat().st_mtime_ns, default=None)
+            name_file(error, tmp / library_file if not isinstance(exc, OSError) or newest is None
+                      else newest)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 def _write_folder(model, folder: Path, state: dict, tokenizer, max_shard_size) -> None:
     """Assemble the folder in `.tmp-NAME` and rename it into place (folder.finalize)."""
     tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        _write_weights(model, tmp, state, max_shard_size)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        with _naming(tmp, _weights_file(model)):
+            _write_weights(model, tmp, state, max_shard_size)
+        _write_tokenizer(tokenizer, tmp)
         finalize(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_tokenizer(tokenizer, tmp: Path) -> None:
+    if tokenizer is not None:
+        with _naming(tmp, TOKENIZER_FILE):  # the file tokenizers' Rust writer writes
+            tokenizer.save_pretrained(str(tmp))
 
 
 def _check_arguments(folder: Path, tokenizer) -> None:
@@ -132,9 +172,9 @@ def save_model(model: torch.nn.Module, folder, tokenizer=None, group=None,
         state = gathered_state(model, trainable_only=is_peft_model(model) and is_sharded(model))
         failure = _saved(lambda: _write_folder(model, folder, state, tokenizer, max_shard_size),
                          folder) if main else None
-    if _any_failed(group, failure is not None):
-        raise failure or InputError(f"Cannot save the model to {folder}: the main process failed "
-                                    "to write it (its message says why).")
+    if _any_failed(group, failure is not None):  # the main rank says why; the others, no more
+        raise failure or EveryRankError(f"Cannot save the model to {folder}: the main process "
+                                        "failed to write it (its message says why).")
     return folder
 
 
@@ -184,9 +224,6 @@ def streamed_layout(model: torch.nn.Module, max_shard_size) -> tuple[dict[str, d
     return layout, form
 
 
-INDEX_FILE = "model.safetensors.index.json"
-
-
 def _placeholders(entries: dict) -> dict[str, torch.Tensor]:
     """`entries` as meta tensors of their global shapes and dtypes: what a library's planner reads."""
     from .streamed import placeholder
@@ -219,18 +256,24 @@ def _write_streamed(model, folder: Path, layout: dict, convert, tokenizer, main:
 
 
 def _attempt(step) -> OSError | InputError | None:
-    """The OSError or InputError `step()` raised, or None."""
+    """The OSError (a failed write, whichever library wrote: checks.write_failure) or
+    InputError `step()` raised, or None."""
     try:
         step()
-    except (OSError, InputError) as exc:
+    except InputError as exc:
         return exc
+    except Exception as exc:
+        if (error := write_failure(exc)) is None:
+            raise
+        return error
     return None
 
 
 def _start_folder(model, tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_weights(model, tmp, {}, max_shard_size="5GB")  # the library's files, an empty weights file
+    with _naming(tmp, _weights_file(model)):  # the library's files, an empty weights file
+        _write_weights(model, tmp, {}, max_shard_size="5GB")
 
 
 def _end_folder(model, tmp: Path, folder: Path, layout: dict, tokenizer) -> None:
@@ -241,7 +284,7 @@ def _end_folder(model, tmp: Path, folder: Path, layout: dict, tokenizer) -> None
         index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()),
                               **layout[INDEX_FILE]["metadata"]},
                  "weight_map": layout[INDEX_FILE]["weight_map"]}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
+        with _naming(tmp, INDEX_FILE):
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_tokenizer(tokenizer, tmp)
     finalize(tmp, folder)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from . import export
 from .checks import (check_optimizer_state, check_trainable_names, has_frozen_parameters,
-                     trainable_names)
+                     named_write, trainable_names)
 from .folder import (ADAPTER_FILE, CONFIG_FILE, EXTRA_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE,
                      TRAINABLE_FILE, TRAINABLE_RECORD, fsync, load_pt, reading, torch_save,
                      write_text, writing)
@@ -74,9 +74,11 @@ class FullState(StateIO):
         if frozen:
             write_trainable_files(folder, model, tensors)
         if extra:
-            torch_save(extra, folder / EXTRA_STATE_FILE)
+            with named_write(folder / EXTRA_STATE_FILE):  # torch.save's failure names no file
+                torch_save(extra, folder / EXTRA_STATE_FILE)
         if optimizer is not None:
-            torch_save(on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
+            with named_write(folder / OPTIMIZER_FILE):
+                torch_save(on_cpu(optimizer.state_dict()), folder / OPTIMIZER_FILE)
 
     def load(self, folder: Path, *, model, optimizer, rank: int) -> None:
         if (folder / TRAINABLE_FILE).exists():

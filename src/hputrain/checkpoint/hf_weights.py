@@ -34,9 +34,7 @@ import torch
 
 from .hf_conversion import Node, folder_plan, whole_box
 from .host import STATE_VIEWS
-
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from .model_folders import INDEX_FILE, WEIGHTS_FILE
 PEFT_PREFIX = "base_model.model."
 WRAPPER_PARTS = ("base_layer.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Name parts of wrappers around a module, which its weights' names in a folder never have."""

@@ -24,6 +24,7 @@ from ..errors import first_line as _first_line
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
@@ -118,6 +119,44 @@ def check_task(folder: Path, wanted: str, flag: str = "--model", use: str = "") 
                      + (f" ({use})" if use else ""))
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files a load of `folder` reads: an adapter folder's adapters, or a model
+    folder's model.safetensors or the files its model.safetensors.index.json names (none where
+    the index cannot be read: the loader says why)."""
+    folder = Path(folder)
+    if is_adapter_folder(folder):
+        return [folder / ADAPTER_WEIGHTS] if (folder / ADAPTER_WEIGHTS).exists() else []
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [folder / WEIGHTS_FILE] if (folder / WEIGHTS_FILE).exists() else []
+
+
+def check_weight_files(folder: Path, flag: str = "--model", base_model: str | None = None) -> None:
+    """One line naming the first of `folder`'s safetensors files (`weight_files`; an adapter
+    folder's and then its base's) that is missing or does not open as one (cut short by a copy,
+    a download or a full disk): the loaders would end in safetensors' traceback. Opening reads
+    the header alone, and safetensors checks there that the file's length is the one its
+    tensors cover."""
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    if is_adapter_folder(folder):
+        files += weight_files(adapter_base(folder, base_model, flag))
+    for file in files:
+        if not file.is_file():
+            raise InputError(f"{flag} {folder}: {file} is missing or not a regular file "
+                             f"({INDEX_FILE} names it)")
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own type (SafetensorError), or OSError
+            raise InputError(f"{flag} {folder}: {file} is not a whole safetensors file "
+                             f"({_first_line(exc)}): it was cut short or damaged; copy it "
+                             "again") from None
+
+
 def head_labels(folder: Path) -> int | None:
     """The labels of the classification head a sequence classifier's adapter folder saved
     beside its adapters (the rows of its modules_to_save weight), or None when it has none."""
@@ -190,6 +229,7 @@ def load_scorer(folder: Path, flag: str = "--model"):
     load."""
     folder = Path(folder)
     check_task(folder, SEQ_CLS, flag, "a reward model, as hputrain train --method reward writes it")
+    check_weight_files(folder, flag)
     if is_adapter_folder(folder):
         model, tokenizer_from = classifier_adapters(folder, flag=flag)
         return model.merge_and_unload(), tokenizer_from

@@ -24,16 +24,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import InputError
-from .checks import check_trainer_state
+from ..errors import EveryRankError, InputError
+from .checks import check_trainer_state, named_write, write_failure
 from .folder import (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, SHARDED_DIR, STATE_FILE,
                      TRAINABLE_FILE, CheckpointError, begin_checkpoint, checkpoint_dir,
                      checkpoint_folders, drop_set_aside, finalize, load_pt, os_reason, reading,
                      rng_file, rotate_checkpoints, temp_dir, torch_save, write_text, writing)
 from .full import FullState, write_model_config
 from .host import unwrap_model
-from .sharded import ShardedState
+from .sharded import SharedWriteError, ShardedState
 from .state import StateIO
+
+
+class EveryRankCheckpointError(CheckpointError, EveryRankError):
+    """A save that failed on every rank alike (sharded.SharedWriteError): rank 0 says it."""
 
 
 def state_io_for(strategy) -> StateIO:
@@ -50,13 +54,15 @@ def write_rng_state(folder: str | os.PathLike, rank: int, accelerator=None) -> N
                               "output_dir (a shared filesystem across nodes)")
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     device_state = accelerator.rng_state() if accelerator is not None else None
-    torch_save({
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "torch": torch.get_rng_state(),
-        "device": device_state.cpu() if device_state is not None else None,
-    }, rng_file(folder, rank))
+    with named_write(rng_file(folder, rank)):  # torch.save's failure names no file
+        torch_save({
+            "python": random.getstate(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached_gaussian)},
+            "torch": torch.get_rng_state(),
+            "device": device_state.cpu() if device_state is not None else None,
+        }, rng_file(folder, rank))
 
 
 def data_state_file(folder: str | os.PathLike, rank: int) -> Path:
@@ -89,7 +95,8 @@ def write_common_files(folder: str | os.PathLike, step: int, *, model, scheduler
     folder, text = Path(folder), json.dumps({**state, "step": step}, indent=2)  # fail early
     write_model_config(unwrap_model(model), folder)
     if scheduler is not None:
-        torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+        with named_write(folder / SCHEDULER_FILE):
+            torch_save(scheduler.state_dict(), folder / SCHEDULER_FILE)
     write_text(folder / STATE_FILE, text)
 
 
@@ -136,8 +143,13 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
         if rank == 0:
             rotate_checkpoints(output_dir, save_total_limit, keep=final)
             drop_set_aside(output_dir)  # an earlier run's files, replaced now (start.py)
-    except OSError as exc:  # a full disk, a read-only or vanished folder: the earlier ones stay
-        raise CheckpointError(f"Cannot save checkpoint {final}: {os_reason(exc)}.") from exc
+    except Exception as exc:  # a full disk, a read-only or vanished folder: the earlier ones stay
+        error = write_failure(exc)  # also torch.save's RuntimeError around the system's error
+        if error is None:
+            raise
+        kind = (EveryRankCheckpointError if isinstance(error, SharedWriteError) and world_size > 1
+                else CheckpointError)
+        raise kind(f"Cannot save checkpoint {final}: {os_reason(error)}.") from exc
     wait()
     return final
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .checks import (check_param_group_kinds, has_frozen_parameters, load_failure_reason,
-                     trainable_names)
+                     trainable_names, write_failure)
 from .folder import CONFIG_FILE, MODEL_FILE, SHARDED_DIR, TRAINABLE_RECORD, CheckpointError
 from .full import write_trainable_files
 from .host import STATE_VIEWS, gathered_state
@@ -181,6 +181,28 @@ def _failure_reason(exc: BaseException) -> str:
     return load_failure_reason(exc)
 
 
+class SharedWriteError(OSError):
+    """A failed write that every rank learned of alike: dcp.save gives each rank every rank's
+    failure (save_checkpoint has rank 0 alone say it)."""
+
+
+def _write_error(exc: BaseException, sharded: Path) -> OSError | None:
+    """The SharedWriteError of a failed dcp.save (the first rank's failure, which every rank
+    has: a full disk under torch.save's RuntimeError, checks.write_failure) naming the file:
+    the rank's shard file (FileSystemWriter's __RANK_0.distcp, one a rank) where the error
+    names none; None when it is no failed write."""
+    failures = getattr(exc, "failures", None)
+    rank, inner = 0, exc
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items(), key=lambda item: item[0])
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, traceback)
+    error = write_failure(inner) if isinstance(inner, BaseException) else None
+    if error is None:
+        return None
+    return SharedWriteError(error.errno, error.strerror,
+                            error.filename or str(sharded / f"__{rank}_0.distcp"))
+
+
 def _dcp_errors() -> tuple[type[BaseException], ...]:
     """What a failed DCP call raises: CheckpointException is a BaseException."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -209,8 +231,14 @@ class ShardedState(StateIO):
             state[_OPTIMIZER] = get_optimizer_state_dict(model, optimizer)
         state = _viewed(model, state, "whole")
         writer = dcp.FileSystemWriter(folder / SHARDED_DIR, single_file_per_rank=True, sync_files=True)
-        with _single_process_quiet():
-            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        try:
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        except _dcp_errors() as exc:  # every rank: DCP shares each rank's failure with all
+            error = _write_error(exc, folder / SHARDED_DIR)
+            if error is None:
+                raise
+            raise error from exc
         if has_frozen_parameters(model):  # the record, and a PEFT model's adapter files
             tensors = gathered_state(model, trainable_only=True)  # gathered onto rank 0
             if rank == 0:
@@ -363,5 +391,7 @@ def export_model(checkpoint: Path, output: Path | None = None) -> Path:
             shutil.copyfile(config, output.parent / CONFIG_FILE)
     except Exception as exc:
         partial.unlink(missing_ok=True)
-        raise CheckpointError(f"Cannot write {output}: {_one_line(exc)}.") from exc
+        failed = write_failure(exc)  # a full disk: the system's words, not safetensors'
+        reason = failed.strerror if failed is not None and failed.strerror else _one_line(exc)
+        raise CheckpointError(f"Cannot write {output}: {reason}.") from exc
     return output

@@ -116,6 +116,8 @@ def write_safetensors(path: Path | None, entries: dict[str, torch.Tensor],
         except OSError as exc:
             failure = exc
     if failure is not None:
+        if not failure.filename and failure.strerror is not None:  # write() names no file
+            failure.filename = str(path)
         raise failure
 
 

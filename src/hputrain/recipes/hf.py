@@ -20,8 +20,8 @@ from ..errors import InputError, did_you_mean
 from ..errors import first_line as _first_line
 from ..models.vision import describe as describe_vision, is_image_text_to_text
 from ..checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
-                                        folder_task, head_labels, is_adapter_folder,
-                                        load_classifier, tokenizer_folder)
+                                        check_weight_files, folder_task, head_labels,
+                                        is_adapter_folder, load_classifier, tokenizer_folder)
 from .hf_adapters import (continued_rank, is_linear, lora_settings, moe_experts, tokenizer_source,
                           with_adapters)
 from .hf_common import choose_block_size  # noqa: F401  (imported from here too)
@@ -198,7 +198,8 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     from ..training.trainer import Trainer
     from .finish import report_outputs, save_final, write_recipe
 
-    folder = model_folder(options.model, base_model=options.base_model)
+    folder = model_folder(options.model, base_model=options.base_model,
+                          weights=not options.from_scratch)
     from .hf_vision import has_images, vision_config
 
     # an uncovered family: one line; text data on a type AutoModelForCausalLM takes: the text path
@@ -385,10 +386,12 @@ def step_model(options: HFOptions):
     return {"build": build, "batch": batch, "lora": bool(options.lora_r), "lora_possible": True,
             "name": f"{config.model_type} from {folder}, blocks of {block} tokens"}
 
-def model_folder(name: str, *, flag: str = "--model", base_model: str | None = None) -> Path:
+def model_folder(name: str, *, flag: str = "--model", base_model: str | None = None,
+                 weights: bool = True) -> Path:
     """`name` as a model folder on this machine, or a PEFT adapter folder whose base model is one
     (`base_model`, --base-model, else the one its adapter_config.json names); else one line
-    saying why it is neither."""
+    saying why it is neither. `weights`: its safetensors files are whole too (not for
+    --from-scratch), checked before any process starts."""
     folder = Path(name).expanduser()
     if not folder.is_dir():
         if folder.exists():
@@ -402,6 +405,8 @@ def model_folder(name: str, *, flag: str = "--model", base_model: str | None = N
         raise InputError(f"{flag} {name} has no config.json: give a folder written by save_pretrained "
                          "(config.json, weights, tokenizer files), or a PEFT adapter folder "
                          "(adapter_config.json)")
+    if weights:
+        check_weight_files(folder, flag, base_model)
     return folder
 
 
