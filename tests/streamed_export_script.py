@@ -1,9 +1,11 @@
 """Under `hputrain launch`, 2 processes: a tiny untied Llama sharded by hputrain's fsdp, written
 whole by rank 0 twice (export.save_model into OUTPUT/final, ShardedState.consolidate into
 OUTPUT/model.safetensors), each while a dispatch mode counts the bytes of tensor storage alive
-on this rank that the write made. Rank 0 writes OUTPUT/peaks.json ({"final": bytes,
-"consolidate": bytes, "model": bytes of the whole model, "largest": bytes of its largest
-tensor}) and OUTPUT/expected.pt (the weights, gathered by torch's full state dict).
+on this rank that the write made, and the bytes it asked to copy to its host (every rank
+writes OUTPUT/host_copies_rankR.json: {"final": bytes, "consolidate": bytes}). Rank 0 writes
+OUTPUT/peaks.json ({"final": bytes, "consolidate": bytes, "model": bytes of the whole model,
+"largest": bytes of its largest tensor}) and OUTPUT/expected.pt (the weights, gathered by
+torch's full state dict).
 
     streamed_export_script.py OUTPUT_DIR [--max-shard-size N]
 """
@@ -66,6 +68,25 @@ class LiveBytes(TorchDispatchMode):
         self.alive -= nbytes
 
 
+class HostCopies:
+    """The bytes of the tensors this rank asks to copy to its host (`Tensor.cpu`) inside it: on a
+    device each is a copy; on the CPU the call is one still (a no-op there)."""
+
+    def __enter__(self):
+        self.bytes, self._cpu = 0, torch.Tensor.cpu
+        copies = self
+
+        def cpu(tensor, *args, **kwargs):
+            copies.bytes += tensor.numel() * tensor.element_size()
+            return copies._cpu(tensor, *args, **kwargs)
+
+        torch.Tensor.cpu = cpu
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.cpu = self._cpu
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("output_dir")
@@ -85,15 +106,17 @@ def main():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    peaks = {}
-    with LiveBytes() as counted:
+    peaks, copied = {}, {}
+    with LiveBytes() as counted, HostCopies() as host:
         export.save_model(model, os.path.join(opts.output_dir, "final"), group=trainer.group,
                           max_shard_size=opts.max_shard_size)
-    peaks["final"] = counted.peak
-    with LiveBytes() as counted:
+    peaks["final"], copied["final"] = counted.peak, host.bytes
+    with LiveBytes() as counted, HostCopies() as host:
         ShardedState().consolidate(os.path.join(opts.output_dir, "model.safetensors"), model=model,
                                    rank=trainer.group.rank)
-    peaks["consolidate"] = counted.peak
+    peaks["consolidate"], copied["consolidate"] = counted.peak, host.bytes
+    with open(os.path.join(opts.output_dir, f"host_copies_rank{trainer.group.rank}.json"), "w") as f:
+        json.dump(copied, f)
     if trainer.group.is_main:
         sizes = [t.numel() * t.element_size() for t in expected.values()]
         peaks |= {"model": sum(sizes), "largest": max(sizes)}

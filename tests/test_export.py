@@ -250,12 +250,64 @@ def test_two_process_fsdp_save_model_gathers_the_shards(tmp_path, kind):
                                rtol=1e-5, atol=1e-5)
 
 
+class GatheredOnDevice:
+    """A stand-in for an fsdp shard (a DTensor) whose gather, `full_tensor`, leaves the whole
+    tensor on a device, here the meta device: a copy of it to the host fails, as no rank but the
+    writing one may make. Each gather is counted (the collective every rank takes part in)."""
+
+    def __init__(self, whole: torch.Tensor, gathers: list, on_writer: bool):
+        self.shape, self.dtype, self.whole = whole.shape, whole.dtype, whole
+        self.device_mesh = type("Mesh", (), {"device_type": "meta"})()
+        self.gathers, self.on_writer = gathers, on_writer
+
+    def to_local(self):
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+    def numel(self):
+        return self.whole.numel()
+
+    def element_size(self):
+        return self.whole.element_size()
+
+    def full_tensor(self):
+        self.gathers.append(tuple(self.shape))
+        # the writing rank's gather as values (a CPU tensor's .cpu() is itself), the others' on the device
+        return self.whole if self.on_writer else torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+def test_the_streamed_writer_copies_to_the_host_on_the_writing_rank_only(tmp_path):
+    """Issue 46 item 15: every rank takes part in each tensor's gather, one at a time, and only
+    the rank that writes copies it to its host memory (and converts it); another rank drops the
+    gathered tensor where the gather left it (it used to copy each one to its host)."""
+    from hputrain.checkpoint.streamed import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)}
+    converted = []
+
+    def convert(name, tensor):
+        if not tensor.is_meta:
+            converted.append(name)
+        return {name: tensor}
+
+    for on_writer in (False, True):
+        gathers = []
+        entries = {name: GatheredOnDevice(t, gathers, on_writer) for name, t in state.items()}
+        path = tmp_path / "model.safetensors" if on_writer else None
+        write_safetensors(path, entries, metadata={"format": "pt"}, convert=convert)
+        assert gathers == [(3, 4), (5,)]  # every rank gathers each tensor, in order
+        assert converted == (["a", "b"] if on_writer else [])
+    written = load_file(tmp_path / "model.safetensors")
+    assert written.keys() == state.keys() and all(torch.equal(written[k], state[k]) for k in state)
+
+
 @pytest.mark.parametrize("max_shard_size", [pytest.param(None, marks=pytest.mark.slow), 40_000])
 def test_fsdp_export_and_consolidate_hold_one_whole_tensor_at_a_time(tmp_path, max_shard_size):
     """Issue 39 item 15: rank 0 writes final/ (export.save_model) and a checkpoint's
     model.safetensors (ShardedState.consolidate) of a 2-rank fsdp Llama gathering, writing and
     dropping one tensor at a time: the most bytes alive at once that the write made on rank 0 is
-    its largest tensor, and less than twice it (the whole model before), and both files hold torch's full state dict,
+    its largest tensor, and less than twice it (the whole model before); rank 1 asks for no host
+    copy of any (issue 46 item 15); and both files hold torch's full state dict,
     final/ laid out as transformers' own save_pretrained lays out those weights (one file, or
 shards and an index past max_shard_size), and from_pretrained loading it."""
     from .test_distributed import hputrain_launch
@@ -265,6 +317,11 @@ shards and an index past max_shard_size), and from_pretrained loading it."""
     proc, _ = hputrain_launch("--nproc-per-node", "2", "--cpu", str(script), str(tmp_path), *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peaks = json.loads((tmp_path / "peaks.json").read_text())
+    # issue 46 item 15: rank 0 copies each tensor to its host once; rank 1, which writes
+    # nothing, copies none (it took part in each gather)
+    copied = [json.loads((tmp_path / f"host_copies_rank{r}.json").read_text()) for r in (0, 1)]
+    assert copied[1] == {"final": 0, "consolidate": 0}, copied
+    assert all(copied[0][written] >= peaks["model"] for written in ("final", "consolidate")), copied
     for written in ("final", "consolidate"):  # the largest tensor, and maybe part of the next
         assert peaks["largest"] <= peaks[written] < min(2 * peaks["largest"], peaks["model"] / 4), peaks
     expected = torch.load(tmp_path / "expected.pt", weights_only=True)

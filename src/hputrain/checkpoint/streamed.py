@@ -4,7 +4,8 @@ Under fsdp each rank holds a shard of every parameter. Gathering the whole state
 then writing it (torch's full state dict, then a library's writer) holds the whole model on the
 main rank at once: for a model that needs fsdp, often more than its host has. Here each tensor
 is gathered (every rank takes part: it is a collective), written at its place in the file by
-the main rank, and dropped before the next; the main rank holds its shards and one whole tensor.
+the main rank, and dropped before the next; the main rank holds its shards and one whole tensor,
+and the other ranks copy none of it to their host.
 
 The file is the safetensors format itself: an 8-byte little-endian header length, a JSON header
 naming each tensor's dtype, shape and byte range (all known before any tensor is gathered: the
@@ -61,10 +62,13 @@ def header(entries: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
     return struct.pack("<Q", len(text)) + text
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
+def whole(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
     """`tensor` whole and on the CPU: a DTensor (fsdp's shard) gathered from every rank (a
     collective: each rank calls it), from the device its mesh communicates on (a shard that
-    fsdp_cpu_offload keeps in host memory goes there first)."""
+    fsdp_cpu_offload keeps in host memory goes there first). `keep` False, on a rank that
+    writes nothing: it takes part in the gather and returns None, making no host copy, so that
+    a node holds one host copy of the tensor, not one a rank (as torch's full state dict with
+    cpu_offload copies to rank 0's host alone)."""
     if hasattr(tensor, "full_tensor"):
         from torch.distributed.tensor import DTensor
 
@@ -73,7 +77,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
             tensor = DTensor.from_local(local.to(mesh.device_type), mesh, tensor.placements,
                                         shape=tensor.shape, stride=tensor.stride())
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
+    return tensor.detach().cpu() if keep else None
 
 
 def placeholder(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,13 +105,13 @@ def write_safetensors(path: Path | None, entries: dict[str, torch.Tensor],
         except OSError as exc:
             failure, handle = exc, _close(handle)
     for name, tensor in entries.items():
-        full = whole(tensor)
-        for part in convert(name, full).values():
-            if handle is not None:
-                try:
-                    handle.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-                except OSError as exc:
-                    failure, handle = exc, _close(handle)
+        full = whole(tensor, keep=handle is not None)  # a rank that writes: the only host copy
+        for part in convert(name, full).values() if full is not None else ():
+            try:
+                handle.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            except OSError as exc:
+                failure, handle = exc, _close(handle)
+                break
         del full  # one whole tensor at a time
     if handle is not None:
         try:
