@@ -205,7 +205,8 @@ def test_train_command_resumes_an_fsdp_checkpoint_with_the_experts_split(tmp_pat
     data = write_text_file(tmp_path / "text.txt")
     common = ["--model", mixtral_folder, "--dataset", data, "--max-steps", "4", "--cpu", "--devices", "2",
               "--strategy", "fsdp", "--logging-steps", "1", "--save-steps", "2", "--disable-tqdm",
-              "--per-device-train-batch-size", "2"]
+              "--per-device-train-batch-size", "2",
+              "--precision", "fp32"]  # 1e-5 between two layouts: fp32 on every CPU, not "auto"
     whole = tmp_path / "whole"
     proc = _cli(*common, "--output-dir", whole)
     assert proc.returncode == 0, proc.stderr[-3000:]
