@@ -211,18 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:  # one line (said once for the whole job: distributed/failure.py)
         from ..distributed import failure
 
-        if isinstance(exc, EveryRankError) and failure.said_by_rank_0():
-            return failure.ENDED_BY_PEER
-        failure.say(f"hputrain: error: {exc}", 2)
-        return 2
+        peer = failure.said_by_rank_0() if isinstance(exc, EveryRankError) else None
+        if peer is not None:
+            return failure.end_quietly(peer)
+        return failure.say(f"hputrain: error: {exc}", 2)
     except KeyboardInterrupt:
         print("hputrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # another rank failed first: this is only its echo, said by that rank
         from ..distributed import failure
 
-        if failure.echo_of_peer(exc) is not None:
-            return failure.ENDED_BY_PEER
+        peer = failure.echo_of_peer(exc)
+        if peer is not None:
+            return failure.end_quietly(peer)
+        failure.record_when_printed(exc)  # for the other ranks, once its traceback is out
         raise
     finally:
         sys.stdout.flush()

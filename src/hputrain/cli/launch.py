@@ -50,7 +50,7 @@ def add_launch_parser(sub) -> None:
                    "on one node, a free port of 127.0.0.1)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="restart the whole job this often after a failure; it resumes from the latest "
-                   "checkpoint (a stop by SIGTERM/SIGINT is never restarted)")
+                   "checkpoint (a stop by SIGTERM/SIGINT, and bad input: exit 2, are never restarted)")
     p.add_argument("--cpu", action="store_true", help="force the CPU")
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, as python -m")
     p.add_argument("target", metavar="SCRIPT", help="the training script (or module with -m)")

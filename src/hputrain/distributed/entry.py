@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
 import runpy
 import signal
 import sys
 import threading
-import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import failure
-from .launch import LAUNCHER_PID, stderr_kept_in_files
+from .launch import LAUNCHER_PID, STOP_SIGNALS, stderr_kept_in_files
 
 
 @record
@@ -34,19 +32,23 @@ def main() -> None:
     try:
         _run(sys.argv[1:])
     except SystemExit as exit_:
-        if exit_.code == failure.ENDED_BY_PEER:  # `hputrain train` found another rank failed first
-            _record_exit("", peer=failure.peer_failure())
-        elif exit_.code not in (0, None):
+        peer = failure.ended_for()
+        if peer is not None and exit_.code == failure.ENDED_BY_PEER:  # `hputrain train` ended for another rank
+            failure.write_error_file("", peer=peer)
+        elif exit_.code not in (0, None):  # its own end, whatever the status (75 too): said, then recorded
+            status = exit_.code if isinstance(exit_.code, int) else 1
             line = exit_.code if isinstance(exit_.code, str) else failure.own_line() or stderr.last
-            failure.record(line, exit_.code if isinstance(exit_.code, int) else 1)
-            _record_exit(line)
+            failure.write_error_file(line, status=status)
+            if status - 128 not in STOP_SIGNALS:  # a stop every rank agreed on is no failure to end for
+                failure.record(line, status)
         raise
     except Exception as error:  # a script's: the echo of another rank's failure ends quietly
         peer = failure.echo_of_peer(error)
         if peer is None:
+            failure.record_when_printed(error)  # printed below (__main__), then recorded
             raise
-        _record_exit("", peer=peer)
-        raise SystemExit(failure.ENDED_BY_PEER) from None
+        failure.write_error_file("", peer=peer)
+        raise SystemExit(failure.end_quietly(peer)) from None
 
 
 def _run(argv: list[str]) -> None:
@@ -73,21 +75,6 @@ def _die_with_launcher() -> None:
     launcher = os.environ.get(LAUNCHER_PID)
     if launcher is not None and os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before prctl took effect
-
-
-def _record_exit(line: str, peer: dict | None = None) -> None:
-    """Write the error file torch's agent reads for this rank (torchelastic's format), with `line`
-    as the message; `peer`, when this rank ended because another failed, is that failure
-    (failure.py), for the launcher of a node that has no failed rank of its own."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    if peer is not None:
-        line = f"ended because rank {peer['rank']} failed" if peer["rank"] is not None else peer["line"]
-    message = {"message": line or "exited with no message on stderr",
-               "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time())), "peer": peer}}
-    with open(path, "w") as f:
-        json.dump({"message": message}, f)
 
 
 class _LastLine:

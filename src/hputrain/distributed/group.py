@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from .failure import watch
 from .mesh import MeshDims
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ class ProcessGroup:
             # Gloo's threads while the mesh or FSDP still hold the groups; how a worker ends
             # without their abort at exit is entry.leave's.
             atexit.register(_leave_process_group)
+        watch()  # ends this rank quietly when another fails and it is blocked in a collective (failure.py)
         self.mesh = self.dims.build(device_type, timeout)
         # Host values (a step's token count, a stop request) meet on Gloo whatever the device's
         # backend: no device sync, and a collective every rank reaches at the same point.

@@ -6,8 +6,9 @@ Single-node runs bind the rendezvous to 127.0.0.1, not to every interface. SIGTE
 the launcher is passed on to every worker, which saves and exits; the launcher then exits
 128 + the signal (143, 130), as it does when a rank is stopped by a signal itself: a requested
 stop, never restarted. The workers die with the launcher, even under kill -9 (see entry.py). A
-rank that fails ends the job with its line, said here once, naming it; the ranks that ended only
-because of it say nothing (failure.py).
+rank that fails ends the job with its line, said here once, naming it (ranks that failed alike
+in one line); the ranks that ended only because of it (their error files say so) or were ended by
+the launcher after it say nothing (failure.py). Bad input (exit 2) is never restarted either.
 torch's elastic agent logs only when LOGLEVEL asks it to.
 """
 from __future__ import annotations
@@ -19,9 +20,9 @@ import signal
 import socket
 import sys
 import threading
+from types import SimpleNamespace
 
 from ..errors import InputError
-from .failure import ENDED_BY_PEER
 
 LOOPBACK = "127.0.0.1"
 LAUNCHER_PID = "HPUTRAIN_LAUNCHER_PID"  # entry.py: the process a worker must die with
@@ -186,19 +187,48 @@ def _run_agent(config, entrypoint: str, args: list[str]) -> dict:
 
 
 def _stop_aware_agent():
-    """torch's LocalElasticAgent, except that a worker group stopped by a signal (every failed rank
-    exited 128 + SIGTERM/SIGINT after saving, or was killed by it) is the end of the run, not a
-    crash to restart: restarts are switched off the way torch itself does for a wedged worker."""
+    """torch's LocalElasticAgent, except that a run that ended in bad input (exit 2: the same
+    input fails the same way again) or was stopped by a signal (every failed rank exited 128 +
+    SIGTERM/SIGINT after saving, or was killed by it) is the end of the run, not a crash to
+    restart: restarts are switched off the way torch itself does for a wedged worker. The ranks
+    still running when the agent stops the others are noted (`_note_stopped`)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class StopAwareAgent(LocalElasticAgent):
+        def _start_workers(self, worker_group):
+            pids = super()._start_workers(worker_group)
+            _note_stopped(self._pcontext)
+            return pids
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and stop_signal(result.failures) is not None:
-                self._remaining_restarts = 0
+            if result.is_failed():
+                stopped = getattr(self._pcontext, "running_at_stop", set())
+                for worker in worker_group.workers:
+                    if worker.local_rank in stopped and worker.global_rank in result.failures:
+                        result.failures[worker.global_rank].stopped_by_launcher = True
+                if outcome(result.failures)[0] != 1:
+                    self._remaining_restarts = 0
             return result
 
     return StopAwareAgent
+
+
+def _note_stopped(pcontext) -> None:
+    """Have `pcontext` (torch's processes of one attempt) note, when it first stops its workers
+    (one failed), which local ranks were still running: what ends them then (SIGTERM, or
+    SIGKILL after torch's 30 s) is the launcher's doing, not a failure of theirs."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers is None:
+        return
+    close = pcontext.close
+
+    def noting_close(*args, **kwargs):
+        if not hasattr(pcontext, "running_at_stop"):
+            pcontext.running_at_stop = {rank for rank, handler in handlers.items() if handler.proc.poll() is None}
+        return close(*args, **kwargs)
+
+    pcontext.close = noting_close
 
 
 def stop_signal(failures: dict) -> signal.Signals | None:
@@ -216,53 +246,109 @@ def stop_signal(failures: dict) -> signal.Signals | None:
 
 
 def _report(failures: dict) -> int:
-    """The exit status of a finished run, with one line on stderr when it did not succeed: 128 +
-    the signal that stopped it, 2 when every rank that failed of its own exited 2 (bad input, one
-    line each), else 1. Ranks that only ended because another failed (failure.py) say nothing."""
-    if not failures:
-        return 0
-    stop = stop_signal(failures)
-    if stop is not None:
-        exits = ", ".join(f"rank {rank} exited {failures[rank].exitcode}" for rank in sorted(failures))
-        print(f"hputrain launch: stopped by {stop.name} ({exits}); exit {128 + stop}", file=sys.stderr)
-        return 128 + stop
-    failed = own_failures(failures) or _failure_elsewhere(failures)
-    for line in failure_lines(failures, failed):
+    """Print `outcome`'s lines on stderr and return its exit status."""
+    status, lines = outcome(failures)
+    for line in lines:
         print(f"hputrain launch: {line}", file=sys.stderr)
-    return BAD_INPUT if all(process.exitcode == BAD_INPUT for _, process in failed) else 1
+    return status
+
+
+def outcome(failures: dict) -> tuple[int, list[str]]:
+    """(the exit status of a finished run, its lines): 0 and none after success; 128 + the
+    signal that stopped it; else one line per failure of a rank's own (ranks that failed alike
+    in one line), and 2 when every one of them was bad input (exit 2), else 1. Ranks that only
+    ended because another failed (failure.py) or were stopped by the launcher say nothing."""
+    if not failures:
+        return 0, []
+    failed = own_failures(failures)
+    if not failed:
+        requested = {rank: process for rank, process in failures.items() if not _ended_by_launcher(process)}
+        stop = stop_signal(requested or failures)
+        if stop is not None:
+            exits = ", ".join(f"rank {rank} exited {failures[rank].exitcode}" for rank in sorted(failures))
+            return 128 + stop, [f"stopped by {stop.name} ({exits}); exit {128 + stop}"]
+        failed = _failure_elsewhere(failures)
+    status = BAD_INPUT if all(_status(process) == BAD_INPUT for _, process in failed) else 1
+    return status, failure_lines(failures, failed)
 
 
 def own_failures(failures: dict) -> list[tuple[int, object]]:
-    """(rank, failure), the first failure first, without the ranks that only ended because
-    another failed: stopped by torch's agent (SIGTERM) after it, or ended by failure.py's
-    ENDED_BY_PEER. Empty when every rank here ended so (the failure was on another node)."""
+    """(rank, failure), the first failure first, of the ranks that failed of their own: not
+    those that ended quietly because another failed (their error file names it: failure.py),
+    nor those stopped by a signal, unless they had said a line of their own first. Empty when
+    every rank here ended so (the failure was on another node, or it was a requested stop)."""
     ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    if len(failures) == 1 and ordered[0][1].exitcode != ENDED_BY_PEER:
-        return ordered
-    return [(rank, process) for rank, process in ordered
-            if stop_signal({rank: process}) is None and process.exitcode != ENDED_BY_PEER]
+    return [(rank, process) for rank, process in ordered if _kind(process) == "own"]
+
+
+def _kind(process) -> str:
+    """"peer" (ended quietly for another rank's failure), "stopped" (by a signal: a requested
+    stop, or the launcher's after another rank failed) or "own"."""
+    info = _extra_info(process)
+    if info.get("peer"):
+        return "peer"
+    said = SimpleNamespace(exitcode=_status(process), timestamp=process.timestamp)
+    if stop_signal({0: said}) is not None:
+        return "stopped"
+    if info.get("status") is not None:
+        return "own"  # it said its line (failure.say), whatever ended it after
+    return "stopped" if _ended_by_launcher(process) else "own"
+
+
+def _ended_by_launcher(process) -> bool:
+    """Killed by a signal while torch's agent was stopping the ranks still running after another
+    failed (a rank blocked in an NCCL or HCCL collective ignores SIGTERM until SIGKILL)."""
+    return getattr(process, "stopped_by_launcher", False) and process.exitcode < 0
+
+
+def _extra_info(process) -> dict:
+    """What entry.py (failure.write_error_file) wrote beside a rank's line: its status, or the
+    failure it ended for (peer); {} for torch's own error files and for none."""
+    data = getattr(process, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    info = message.get("extraInfo") if isinstance(message, dict) else None
+    return info if isinstance(info, dict) else {}
+
+
+def _status(process) -> int:
+    """The status a failed rank said it ends with (its exit code, unless a signal ended it after)."""
+    status = _extra_info(process).get("status")
+    return status if isinstance(status, int) else process.exitcode
 
 
 def _failure_elsewhere(failures: dict) -> list[tuple[int, object]]:
     """The failure of a rank on another node, as the ranks here that it ended learned it from
-    the job's store (entry.py writes it in their error files): [(its rank, its exit code and
-    line)]; or, when none learned it, every rank here."""
-    from types import SimpleNamespace
-
+    the job's store (their error files carry it): [(its rank, its exit code and line)]; or,
+    when none learned it, every rank here."""
     ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     for _, process in ordered:
-        written = getattr(process, "error_file_data", None) or {}
-        peer = ((written.get("message") or {}).get("extraInfo") or {}).get("peer")
-        if peer and peer.get("rank") is not None:
+        peer = _extra_info(process).get("peer")
+        if isinstance(peer, dict) and peer.get("rank") is not None:
             return [(peer["rank"], SimpleNamespace(exitcode=peer["status"], message=peer["line"]))]
     return ordered
 
 
 def failure_lines(failures: dict, failed: list[tuple[int, object]] | None = None) -> list[str]:
-    """'rank R failed (exit code C): its error' for each of `failed` (default `own_failures`)."""
+    """'rank R failed (exit code C): its error' for each of `failed` (default `own_failures`),
+    in one line for ranks that failed alike (the same status and line): 'ranks 0, 1 failed ...'."""
     failed = own_failures(failures) if failed is None else failed
-    return [f"rank {rank} failed (exit code {process.exitcode}): {error_line(process.message)}"
-            for rank, process in failed]
+    alike: dict[tuple[int, str], list[int]] = {}
+    for rank, process in failed:
+        alike.setdefault((_status(process), error_line(process.message)), []).append(rank)
+    return [f"{_ranks(ranks)} failed (exit code {status}): {line}" for (status, line), ranks in alike.items()]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0, 1', 'ranks 0-7, 9'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return "ranks " + ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans)
 
 
 def error_line(message) -> str:
