@@ -9,6 +9,7 @@ pid to OUT/pid-RANK, then waits.
                                            the others wait
     signal_script.py OUT exit CODES        every rank R prints an error line and exits CODES[R]
                                            (comma-separated: 2,1), whatever signal comes
+    signal_script.py OUT exit CODES alike  the same, every rank with the same line
 """
 import os
 import signal
@@ -33,7 +34,7 @@ def main(out: str, mode: str, *how: str) -> int:
                 time.sleep(0.05)
         time.sleep(0.5)
         print("first line of the error", file=sys.stderr)
-        print(f"rank {rank}: the data set is empty", file=sys.stderr)
+        print(("" if "alike" in how else f"rank {rank}: ") + "the data set is empty", file=sys.stderr)
         return int(how[0].split(",")[rank]) if mode == "exit" else int((how[1:] or ["3"])[0])
     deadline = time.monotonic() + 120
     while not stop and time.monotonic() < deadline:

@@ -550,11 +550,12 @@ def test_refused_and_meaningless_pairs_are_left_out():
 
 def _error_lines(err: str) -> set[str]:
     """The error lines of stderr: each rank's `hputrain: error: ...` (two ranks' may share a
-    line) and the launcher's `rank R failed (exit code 2): LINE`, as the lines they carry."""
+    line) and the launcher's `rank R failed (exit code 2): LINE` (`ranks 0, 1 failed ...` for ranks
+    that failed alike), as the lines they carry."""
     said, rest = set(), []
     err = re.sub(r"\[\w+?\d+\]:", "", err)  # the rank prefix of torchrun's tee (PET_TEE)
     for line in err.splitlines():
-        launcher = re.fullmatch(r"hputrain launch: rank \d+ failed \(exit code 2\): (.*)", line)
+        launcher = re.fullmatch(r"hputrain launch: ranks? [\d, -]+ failed \(exit code 2\): (.*)", line)
         said.update([launcher.group(1)] if launcher else [])
         rest += [] if launcher else [line]
     for piece in re.split(r"hputrain: error: ", "\n".join(rest)):

@@ -212,3 +212,18 @@ def test_srun_tasks_train_as_devices_2(devices_2_losses, tmp_path):
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(out) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_mpirun_ranks_failing_alike_say_it_once(devices_2_losses, tmp_path):
+    """No launcher of ours gathers the lines under mpirun: of two ranks refusing the same step
+    alike, the first to say the line says it (exit 2), the other ends quietly (exit 75)."""
+    corpus, _ = devices_2_losses
+    script = str(ROOT / "tests" / "rank_failure_script.py")
+    args = [sys.executable, script, "all", "host_sum", "3", *_train_args(corpus, tmp_path / "run")[3:],
+            "--devices", "2"]
+    procs = _by_hand(lambda rank: ompi(rank, 2, rank, 2), args, _free_port())
+    line = "hputrain: error: every rank refused its host_sum call 3 on purpose"
+    said = [text for proc in procs for text in proc.stderr.splitlines() if text.strip()]
+    assert said == [line], [proc.stderr[-2000:] for proc in procs]
+    assert sorted(proc.returncode for proc in procs) == [2, 75]

@@ -5,6 +5,7 @@ malicious shards refused in one line."""
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,12 +232,12 @@ def test_a_damaged_sharded_checkpoint_ends_a_launched_run_in_one_line(two_proces
     _truncate(damaged)
     proc = launch(2, tmp_path / "out", resume=damaged)
     assert proc.returncode != 0
-    # each rank ends with the one line and status 2 of bad input, said once, by the launcher,
-    # which names the rank (distributed/failure.py)
-    for rank in (0, 1):
-        assert f"rank {rank} failed (exit code 2): hputrain: error: Sharded checkpoint" in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "hputrain: error:" in line]
-    assert len(errors) == 2 and all("__0_0.distcp is truncated" in line for line in errors)
+    # every rank meets the same bad input: its one line and status 2, said once for the job, by
+    # the launcher, which names the rank (distributed/failure.py)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hputrain launch:")]
+    assert len(errors) == 1 and "__0_0.distcp is truncated" in errors[0], proc.stderr[-3000:]
+    assert re.match(r"hputrain launch: ranks? (0|1|0, 1) failed \(exit code 2\): hputrain: error: Sharded "
+                    r"checkpoint", errors[0]), errors
     assert "Traceback" not in proc.stderr
 
 
