@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -441,6 +442,17 @@ def test_one_command_line_for_the_first_run_and_the_reruns(method, llama, tmp_pa
     assert (f"the run has already reached max_steps (3): {out / 'checkpoint-3'} is at step 3; "
             "nothing trained, nothing written\n") in stdout
     assert "final:" not in stdout and files_of(out) == finished  # no eval, summary or final/ again
+
+    # a run that ended after its last checkpoint but before final/ was complete (a crash, a full
+    # disk): the rerun writes final/ from that checkpoint, the same files, and trains nothing
+    shutil.rmtree(out / "final")
+    status, stdout, err = cli_here(*argv, *latest, "--max-steps", "3")
+    assert status == 0, err[-2000:]
+    assert (f"the run has already reached max_steps (3): {out / 'checkpoint-3'} is at step 3, but "
+            "final/ is missing: writing it from there, training nothing\n") in stdout
+    again = files_of(out)
+    assert {k: v for k, v in again.items() if k.startswith("final") or k == "metrics.jsonl"} == \
+        {k: v for k, v in finished.items() if k.startswith("final") or k == "metrics.jsonl"}
 
 
 # -- two processes ------------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ class Start:
     (then `checkpoint` is None and `fresh` False); see `reached_end`."""
     job: str | None = None
     """This job's identity (`job_identity`), recorded in the checkpoints it writes."""
+    final: bool = False
+    """output_dir holds final/, as a run writes it once it has ended (`reached_end`)."""
 
 
 def plan_start(output_dir: str | os.PathLike, spec: str | bool | None, *, overwrite: bool,
@@ -87,7 +89,7 @@ def plan_start(output_dir: str | os.PathLike, spec: str | bool | None, *, overwr
         except InputError as exc:
             return Start(error=str(exc))
         step = _trainer_state(folder).get("step")
-        return Start(checkpoint=folder, step=step if _is_step(step) else None)
+        return Start(checkpoint=folder, step=step if _is_step(step) else None, final=finished)
     found = checkpoint_folders(out)
     if found and not overwrite:
         newest = f"the newest: {found[-1].name}" if len(found) > 1 else found[0].name
@@ -109,19 +111,23 @@ def _finished_run(out: Path, metrics: str | None) -> Start:
         return Start(error=f"output_dir {out} holds the final model of an earlier run "
                            f"({FINAL_DIR}/) and no checkpoint to continue it from: add "
                            f"{OVERWRITE_FLAG} to start over")
-    return Start(step=step)
+    return Start(step=step, final=True)
 
 
 def reached_end(start: Start, total_steps: int) -> str | None:
     """The line saying that the run has already reached its last step, where it has (a rerun of
-    a finished run): then nothing is trained or written. A finished run that kept no checkpoint
-    cannot be continued to more steps: refused (EveryRankError, on every rank alike)."""
+    a finished run): then nothing is trained or written, except final/ where the run ended
+    before writing it (Start.final false: a crash or a full disk after the last save), which is
+    written from the last checkpoint. A finished run that kept no checkpoint cannot be continued
+    to more steps: refused (EveryRankError, on every rank alike)."""
     if start.fresh or start.step is None:
         return None
     where = start.checkpoint if start.checkpoint is not None else f"the final model ({FINAL_DIR}/)"
     if start.step >= total_steps:
-        return (f"the run has already reached max_steps ({total_steps}): {where} is at step "
-                f"{start.step}; nothing trained, nothing written")
+        said = f"the run has already reached max_steps ({total_steps}): {where} is at step {start.step}"
+        if not start.final:
+            return f"{said}, but {FINAL_DIR}/ is missing: writing it from there, training nothing"
+        return f"{said}; nothing trained, nothing written"
     if start.checkpoint is None:
         raise EveryRankError(f"the run finished at step {start.step} and kept no checkpoint to "
                              f"continue it to step {total_steps} from, only {FINAL_DIR}/: add "

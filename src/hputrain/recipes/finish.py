@@ -1,6 +1,7 @@
 """The end of every recipe's run (gpt.py, hf.py): the final model written with save_pretrained's
 layout, the recipe beside the checkpoints, the run's files listed and plotted. A run that had
-already reached its last step (TrainOutput.already_done) ends at train(), writing none of them."""
+already ended (TrainOutput.already_done) ends at train(), writing none of them; one that reached its
+last step but ended before writing final/ writes them now, from its last checkpoint."""
 from __future__ import annotations
 
 import json

@@ -69,7 +69,7 @@ class TrainOutput:
     training_loss: float | None
     metrics: dict = field(default_factory=dict)
     interrupted_by: int | None = None  # the signal the ranks agreed to stop early for, if any
-    already_done: bool = False  # the run had reached its last step before: nothing trained or written
+    already_done: bool = False  # the run had ended before (final/ written): nothing trained or written
 
 
 class Trainer(CallbackHost):
@@ -177,9 +177,6 @@ class Trainer(CallbackHost):
         _seed_everything(args.seed)
         batches = self.train_batches()
         total_steps = self.total_steps = total_steps_of(batches, args.max_steps, args.num_train_epochs)
-        if (done := reached_end(start, total_steps)) is not None:  # a finished run, run again
-            self.log_message(done)
-            return TrainOutput(start.step, None, already_done=True)
         intervals = Intervals(settings.schedule, batches.steps_per_epoch, total_steps)
         intervals.check_best_model(settings.schedule, self.eval_dataset is not None)
         self.optimizer = create_optimizer(self.model, settings.optimizer, self.config, accelerator)
@@ -188,6 +185,9 @@ class Trainer(CallbackHost):
                            scheduler=self.scheduler, accelerator=accelerator, rank=self.group.rank,
                            strategy=self.strategy, batches=batches)
         self.global_step = state.get("step", 0)
+        if (done := reached_end(start, total_steps)) is not None:  # a finished run, run again: the
+            self.log_message(done)  # model holds its checkpoint's weights (checked as it loaded)
+            return TrainOutput(start.step, None, already_done=start.final)
         self.best = BestCheckpoint(settings.schedule, state)
         clock = ThroughputClock(args.throughput_warmup_steps, accelerator.synchronize)
         watch = execution.step_watch(settings.execution, accelerator)  # graph compiles in lazy mode
