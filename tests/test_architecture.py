@@ -32,3 +32,17 @@ def test_documented_import_paths_keep_working():
     from hputrain.inference import wrap_for_inference  # noqa: F401
     from hputrain.metrics import accuracy, token_accuracy  # noqa: F401
     from hputrain.models.gpt import GPT  # noqa: F401
+
+
+def test_the_design_and_every_page_the_docs_name_are_in_the_repository():
+    """Issue 46, item 17: the README named ../shared/DESIGN.md, outside the project. The design is
+    docs/design.md, the README links it, and every page README.md and docs/ name is a file here."""
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(page.name, ref) for page in pages
+             for ref in re.findall(r"(?:\.\./|docs/)[\w./-]+\.md", page.read_text(encoding="utf-8"))}
+    missing = sorted((page, ref) for page, ref in named
+                     if ref.startswith("../") or not (ROOT / ref).is_file())
+    assert not missing, missing
+    assert ("README.md", "docs/design.md") in named
