@@ -141,3 +141,30 @@ def test_a_failed_write_is_the_systems_error_whichever_library_wrote():
     assert write_failure(plain) is plain
     assert write_failure(RuntimeError("CUDA out of memory")) is None
     assert write_failure(ValueError("bad")) is None
+    # safetensors' own error while writing, with no system words: the write failed, EIO
+    from safetensors import SafetensorError
+
+    words = write_failure(SafetensorError("Error while serializing:\n  header too large"))
+    assert (words.errno, words.strerror) == (errno.EIO, "Error while serializing: header too large")
+
+
+def test_a_failed_write_names_the_file_it_was_writing(tmp_path):
+    """checks.named_write: the file given, or the one a function of the error picks, where the
+    error names none; a file the error names is kept; any other error passes as it is."""
+    from hputrain.checkpoint.checks import named_write
+
+    with pytest.raises(OSError) as err:
+        with named_write(tmp_path / "optimizer.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    assert err.value.filename == str(tmp_path / "optimizer.pt") and err.value.errno == errno.EIO
+    with pytest.raises(OSError) as err:
+        with named_write(lambda exc: tmp_path / type(exc).__name__):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert err.value.filename == str(tmp_path / "OSError")
+    with pytest.raises(OSError) as err:
+        with named_write(tmp_path / "not this one"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/x/its own")
+    assert err.value.filename == "/x/its own"
+    with pytest.raises(ValueError):
+        with named_write(tmp_path / "x"):
+            raise ValueError("no write failed")

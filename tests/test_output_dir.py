@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import hputrain.checkpoint.folder as ckpt
 import hputrain.checkpoint.full as full_state
@@ -166,7 +167,7 @@ def test_disk_full_mid_save_is_one_line_and_keeps_the_earlier_checkpoint(tmp_pat
     elif writer == "safetensors":
         def save_file(tensors, path, metadata=None):
             Path(path).write_bytes(b"partial")
-            raise ckpt.SafetensorError("Error while serializing: I/O error: No space left on "
+            raise SafetensorError("Error while serializing: I/O error: No space left on "
                                        "device (os error 28)")
         monkeypatch.setattr(full_state, "save_file", save_file)
     else:

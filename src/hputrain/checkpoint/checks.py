@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 # Sentences of torch's weights_only messages that advise rather than explain, whatever the
 # version's wording. They are never shown: one says to load with weights_only=False, which runs
@@ -63,6 +64,8 @@ def write_failure(exc: BaseException) -> OSError | None:
                        getattr(exc, "filename", None))
     if isinstance(exc, OSError):
         return exc
+    if isinstance(exc, SafetensorError):  # safetensors' own words, without the system's number
+        return OSError(errno.EIO, " ".join(text.split()))
     if isinstance(exc, RuntimeError) and any(words in text for words in _TORCH_WRITER):
         cause = exc.__cause__ or exc.__context__
         while cause is not None and not isinstance(cause, OSError):
@@ -74,26 +77,22 @@ def write_failure(exc: BaseException) -> OSError | None:
 
 
 @contextlib.contextmanager
-def named_write(file: Path):
+def named_write(file):
     """A failed write in the block (`write_failure`) raised as an OSError naming `file` where it
-    names none; any other error as it is."""
+    names none (a failed write() names no path), for `save_checkpoint` and export to make one
+    line; any other error as it is. `file` may be a function of the error, for a writer that
+    does not say which of its files failed."""
     try:
         yield
     except Exception as exc:
         error = write_failure(exc)
         if error is None:
             raise
-        name_file(error, file)
+        if not error.filename and error.strerror is not None:  # OSError("...") would print "[Errno None]"
+            error.filename = str(file(exc) if callable(file) else file)
         if error is exc:
             raise
         raise error from exc
-
-
-def name_file(error: OSError, file) -> None:
-    """`file` as the file of `error` where it names none (and has the system's words: an
-    OSError("...") of one argument would print as "[Errno None] None")."""
-    if not error.filename and error.strerror is not None:
-        error.filename = str(file)
 
 
 def _is_int(value) -> bool:

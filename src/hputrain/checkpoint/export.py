@@ -25,7 +25,6 @@ write worked, so a failure on the main rank is an error on every rank rather tha
 """
 from __future__ import annotations
 
-import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EveryRankError, InputError
-from .checks import name_file, write_failure
+from .checks import named_write, write_failure
 from .folder import ADAPTER_FILE, MODEL_FILE, finalize, os_reason
 from .host import each_once, gathered_state, is_sharded, unwrap_model
 from .model_folders import INDEX_FILE
@@ -95,26 +94,17 @@ def _weights_file(model) -> str:
     return ADAPTER_FILE if is_peft_model(model) else MODEL_FILE
 
 
-@contextlib.contextmanager
 def _naming(tmp: Path, library_file: str):
-    """A failed write in the block (checks.write_failure: a full disk under a library's writer)
-    as an OSError naming its file: `library_file` where the library's own writer failed
-    (safetensors writes through a temporary file it removes, tokenizers in Rust: neither says
-    which), else the newest file in `tmp`, the one Python's write() was writing (it names none)."""
-    try:
-        yield
-    except Exception as exc:
-        error = write_failure(exc)
-        if error is None:
-            raise
-        if not error.filename:
-            files = [path for path in tmp.iterdir() if path.is_file()] if tmp.is_dir() else []
-            newest = max(files, key=lambda path: path.stat().st_mtime_ns, default=None)
-            name_file(error, tmp / library_file if not isinstance(exc, OSError) or newest is None
-                      else newest)
-        if error is exc:
-            raise
-        raise error from exc
+    """checks.named_write for a library's writer into `tmp` (a full disk under it): the file
+    named is `library_file` where the library's own writer failed (safetensors writes through a
+    temporary file it removes, tokenizers in Rust: neither says which), else the newest file in
+    `tmp`, the one Python's write() was writing (it names none)."""
+    def failed_file(exc: BaseException) -> Path:
+        files = [path for path in tmp.iterdir() if path.is_file()] if tmp.is_dir() else []
+        newest = max(files, key=lambda path: path.stat().st_mtime_ns, default=None)
+        return tmp / library_file if not isinstance(exc, OSError) or newest is None else newest
+
+    return named_write(failed_file)
 
 
 def _write_folder(model, folder: Path, state: dict, tokenizer, max_shard_size) -> None:

@@ -6,14 +6,13 @@ sharded.py), config.json as the model's library writes it, scheduler.pt, trainer
 (written last), rng_state_RANK.pt, and model_extra_state.pt where layers have extra state, such
 as fp8 scaling. It is assembled in a hidden `.tmp-checkpoint-STEP` (`begin_checkpoint`) and
 renamed into place when complete (`finalize`), so a kill mid-save leaves the previous checkpoint
-whole; every file is written through `writing`, so a failed write (a full disk) names its file
+whole; every file is written through `checks.named_write`, so a failed write (a full disk) names its file
 and `save_checkpoint` makes it one CheckpointError. `rotate_checkpoints` renames a folder away
 before deleting it, so a kill never leaves half a checkpoint-N, and `clear_leftovers` removes
 what such kills leave. `lock_output_dir` keeps a second run out of an output_dir in use.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
@@ -23,10 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from ..errors import InputError
-from .checks import load_failure_reason
+from .checks import load_failure_reason, named_write
 
 MODEL_FILE = "model.safetensors"
 # a model with frozen parameters (a LoRA's base): its trainable parameters only
@@ -160,29 +158,15 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-@contextmanager
-def writing(file: Path) -> Iterator[None]:
-    """Name `file` in a failure to write it (a failed write() names no path; safetensors raises
-    its own error type), as an OSError that `save_checkpoint` turns into one line."""
-    try:
-        yield
-    except OSError as exc:
-        if not exc.filename:
-            exc.filename = str(file)
-        raise
-    except SafetensorError as exc:
-        raise OSError(errno.EIO, " ".join(str(exc).split()), str(file)) from exc
-
-
 def torch_save(obj, path: Path) -> None:
-    with writing(path), open(path, "wb") as f:
+    with named_write(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def write_text(path: Path, text: str) -> None:
-    with writing(path):
+    with named_write(path):
         path.write_text(text, encoding="utf-8")
         fsync(path)
 

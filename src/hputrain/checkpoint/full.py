@@ -24,7 +24,7 @@ from .checks import (check_optimizer_state, check_trainable_names, has_frozen_pa
                      named_write, trainable_names)
 from .folder import (ADAPTER_FILE, CONFIG_FILE, EXTRA_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE,
                      TRAINABLE_FILE, TRAINABLE_RECORD, fsync, load_pt, reading, torch_save,
-                     write_text, writing)
+                     write_text)
 from .host import EXTRA_SUFFIX, model_state, on_cpu
 from .state import StateIO
 
@@ -35,7 +35,7 @@ def write_model_config(model: torch.nn.Module, folder: Path) -> None:
     the JSON of its fields. A model with neither gets no CONFIG_FILE."""
     config, path = getattr(model, "config", None), folder / CONFIG_FILE
     if hasattr(config, "to_json_file"):
-        with writing(path):
+        with named_write(path):
             config.to_json_file(path, use_diff=True)
             fsync(path)
     elif dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -47,7 +47,7 @@ def write_trainable_files(folder: Path, model, tensors: dict[str, torch.Tensor])
     parameters saved, and for a PEFT model its adapter files from `tensors` (those parameters,
     whole and on the CPU)."""
     write_text(folder / TRAINABLE_RECORD, json.dumps({"parameters": list(tensors)}, indent=2))
-    with writing(folder / ADAPTER_FILE):
+    with named_write(folder / ADAPTER_FILE):
         export.write_adapter(model, folder, tensors)
 
 
@@ -68,7 +68,7 @@ class FullState(StateIO):
         frozen = has_frozen_parameters(model)
         tensors, extra = model_state(model, trainable_only=frozen)
         file = folder / (TRAINABLE_FILE if frozen else MODEL_FILE)
-        with writing(file):
+        with named_write(file):
             save_file(tensors, str(file), metadata={"format": "pt"})
             fsync(file)
         if frozen:

@@ -29,7 +29,7 @@ from .checks import check_trainer_state, named_write, write_failure
 from .folder import (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, SHARDED_DIR, STATE_FILE,
                      TRAINABLE_FILE, CheckpointError, begin_checkpoint, checkpoint_dir,
                      checkpoint_folders, drop_set_aside, finalize, load_pt, os_reason, reading,
-                     rng_file, rotate_checkpoints, temp_dir, torch_save, write_text, writing)
+                     rng_file, rotate_checkpoints, temp_dir, torch_save, write_text)
 from .full import FullState, write_model_config
 from .host import unwrap_model
 from .sharded import SharedWriteError, ShardedState
@@ -129,7 +129,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model, optimize
                 write_text(data_state_file(tmp, rank), json.dumps(data_state))
             state_io.write(tmp, model=unwrap_model(model), optimizer=optimizer, rank=rank)
             if consolidate:
-                with writing(tmp / MODEL_FILE):
+                with named_write(tmp / MODEL_FILE):
                     state_io.consolidate(tmp / MODEL_FILE, model=unwrap_model(model), rank=rank)
             if rank == 0:
                 write_common_files(tmp, step, model=model, scheduler=scheduler, state=state)
