@@ -199,8 +199,9 @@ def derived_seed(seed: int, rank: int, step: int) -> int:
     return (int(words[0]) << 31) ^ int(words[1])  # 63 bits: every seeder takes it
 
 
-def _seed_rng(seed: int) -> None:
-    """Seed the four generators `write_rng_state` saves, as a run from the beginning does."""
+def seed_generators(seed: int) -> None:
+    """Seed the four generators `write_rng_state` saves: a run from the beginning (the Trainer),
+    and a resumed rank the checkpoint has no generator state for."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # the device's too, where it has its own (CUDA)
@@ -252,7 +253,7 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
         with reading(folder / SCHEDULER_FILE):
             scheduler.load_state_dict(load_pt(folder / SCHEDULER_FILE))
     if restore_rng and rank >= state.get("world_size", rank + 1):  # saved by fewer processes
-        _seed_rng(derived_seed(state.get("seed", 0), rank, state["step"]))
+        seed_generators(derived_seed(state.get("seed", 0), rank, state["step"]))
     elif restore_rng:
         _restore_rng(rng_file(folder, rank), accelerator)
     return state

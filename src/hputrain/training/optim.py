@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.saving import rng_note
 from ..config.accelerator_config import AcceleratorConfig
@@ -65,14 +64,11 @@ def create_scheduler(optimizer, settings: OptimizerSettings, total_steps: int):
 
 
 def resume_notes(state: dict, global_batch_size: int, scheduler, learning_rate: float,
-                 world_size: int | None = None) -> list[str]:
+                 world_size: int) -> list[str]:
     """One line for each setting a resumed run changes (the global batch, the learning rate),
     saying which value wins, and one for the ranks a checkpoint of fewer processes has no
     generator state for. `state` is the checkpoint's trainer state ({} for a fresh run),
-    `scheduler` the one it was loaded into, `world_size` the run's processes (default: the
-    default process group's, 1 without one)."""
-    if world_size is None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    `scheduler` the one it was loaded into, `world_size` the run's processes."""
     lines = []
     saved_batch = state.get("global_batch_size")
     if saved_batch is not None and saved_batch != global_batch_size:

@@ -13,14 +13,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import random
 import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..accelerators import detect_accelerator
@@ -174,7 +172,7 @@ class Trainer(CallbackHost):
 
     def _train(self, start: Start) -> TrainOutput:
         args, settings, accelerator = self.args, self.settings, self.accelerator
-        _seed_everything(args.seed)
+        checkpoint.seed_generators(args.seed)
         batches = self.train_batches()
         total_steps = self.total_steps = total_steps_of(batches, args.max_steps, args.num_train_epochs)
         intervals = Intervals(settings.schedule, batches.steps_per_epoch, total_steps)
@@ -200,8 +198,8 @@ class Trainer(CallbackHost):
         finished = False
         try:
             self._call("on_train_begin")
-            for line in resume_notes(state, batches.global_batch_size, self.scheduler,
-                                     args.learning_rate) + self.objective.resume_notes(state):
+            for line in resume_notes(state, batches.global_batch_size, self.scheduler, args.learning_rate,
+                                     self.group.world_size) + self.objective.resume_notes(state):
                 self.log_message(line)
             while self.global_step < total_steps:
                 step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
@@ -590,10 +588,3 @@ _RUN_FILES = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINA
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
              if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD]
 
-
-# -- small helpers ---------------------------------------------------------------------------------
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
