@@ -238,8 +238,9 @@ def test_the_cpu_names_fp8_as_emulated_and_a_gaudi2_as_native(tmp_path, fake_hpu
     on_cpu = Trainer(model(), tiny_fp8_args(tmp_path / "cpu", accelerator="cpu"))
     assert not on_cpu.accelerator.native_fp8() and on_cpu.accelerator.supports_fp8()
     said = on_cpu.precision.describe()
-    assert said.startswith("float8_e4m3fn (emulated, as the cpu has no fp8 matrix units: slower than bf16")
-    assert said.endswith("correctness rehearsal of an fp8 run on gaudi2, gaudi3, h100 or h200)")
+    assert said == ("float8_e4m3fn (emulated: the cpu has no fp8 matrix units, so it runs many times "
+                    "slower than bf16, see docs/devices.md; a correctness rehearsal of fp8 on gaudi2, "
+                    "gaudi3, h100 or h200)")
     gaudi2 = Trainer(model(), tiny_fp8_args(tmp_path / "hpu", execution_mode="eager"),
                      accelerator=HPUOnCPU("eager"))
     assert gaudi2.accelerator.native_fp8() and gaudi2.precision.describe() == "float8_e4m3fn"
@@ -257,7 +258,7 @@ def test_the_run_header_says_fp8_is_emulated_on_a_cpu(cli_here, tmp_path):
                               "--save-steps", "-1", "--disable-tqdm", "--output-dir", tmp_path)
     header = out.splitlines()[0]
     assert status == 0 and header.startswith("hputrain: tiny GPT")
-    assert ("on cpu (" in header and " in float8_e4m3fn (emulated, as the cpu has no fp8 matrix "
-            "units: slower than bf16 (figures in docs/devices.md), meant as a correctness rehearsal "
-            "of an fp8 run on gaudi2, gaudi3, h100 or h200), " in header)
+    assert ("on cpu (" in header and " in float8_e4m3fn (emulated: the cpu has no fp8 matrix "
+            "units, so it runs many times slower than bf16, see docs/devices.md; a correctness "
+            "rehearsal of fp8 on gaudi2, gaudi3, h100 or h200), " in header)
     assert header.endswith("training sequences of 32 bytes from the Python standard library")

@@ -68,9 +68,9 @@ def emulated(device: str) -> str:
     from ..accelerators.registry import fp8_targets
 
     *others, last = fp8_targets()
-    return (f"emulated, as the {device} has no fp8 matrix units: slower than bf16 (figures in "
-            f"docs/devices.md), meant as a correctness rehearsal of an fp8 run on "
-            f"{', '.join(others)} or {last}")
+    return (f"emulated: the {device} has no fp8 matrix units, so it runs many times slower than "
+            f"bf16, see docs/devices.md; a correctness rehearsal of fp8 on {', '.join(others)} "
+            f"or {last}")
 
 
 def _eligible(layer: nn.Linear) -> bool:

@@ -376,7 +376,7 @@ def _fp8(args, target: str) -> dict | None:
         note = (f"fp8 counted as a speed-up on {target}: its fp8 matrix units"
                 + (f" (peak {gain:.1f}x bf16's)" if gain else ""))
     elif kind == "emulated":
-        note = f"fp8 counted as no speed-up on {target}: {emulated(target)}"
+        note = f"fp8 counted as no speed-up on {target}, where it is {emulated(target)}"
     else:
         note = (f"fp8 counted as no speed-up on {target}: it has no fp8 matrix units (a run "
                 "there refuses fp8)")
