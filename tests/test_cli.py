@@ -39,7 +39,8 @@ def test_env_reports_forcing_variable():
 
 def test_env_cpu_flag(capsys):
     assert main(["env", "--cpu", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["accelerator"] == "cpu"
+    report = json.loads(capsys.readouterr().out)
+    assert report["accelerator"] == "cpu" and report["native_fp8"] is False  # fp8 is emulated here
     os.environ.pop("HPUTRAIN_ACCELERATOR", None)
 
 

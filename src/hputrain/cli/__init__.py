@@ -69,6 +69,7 @@ def cmd_env(args) -> int:
         "dist_backend": accelerator.dist_backend(),
         "compile_backend": accelerator.compile_backend(),
         **accelerator.bf16_facts(),  # native_bf16 and what decided it (CPU: flags, measured rates)
+        "native_fp8": accelerator.native_fp8(),  # fp8 matrix units; without them fp8 is emulated
         # what a Hugging Face model's attention and RMSNorm would run on here (execution/kernels.py)
         "fused_kernels": {**{k: v or "-" for k, v in kernels.available(accelerator).items()},
                           "auto": "on" if accelerator.prefers_fused_kernels() else "off"},
