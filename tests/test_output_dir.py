@@ -101,6 +101,21 @@ def test_leftovers_of_killed_saves_are_cleared_and_a_lone_old_copy_put_back(tmp_
     assert_same_weights(model, run[0])
 
 
+def test_leftovers_of_a_killed_export_are_cleared_and_a_lone_old_final_put_back(tmp_path):
+    """Export writes final/ by the same protocol (.tmp-final, then .old-final while it replaces
+    one): a kill leaves them; the next start clears .tmp-final and puts back an .old-final whose
+    final/ is gone, the only copy of the earlier model."""
+    (tmp_path / ".tmp-final").mkdir()
+    (tmp_path / ".tmp-final" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".old-final").mkdir()
+    (tmp_path / ".old-final" / "config.json").write_text("{}")
+    assert clear_leftovers(tmp_path) == [tmp_path / ".tmp-final"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert (tmp_path / "final" / "config.json").read_text() == "{}"
+    (tmp_path / ".old-final").mkdir()  # final/ is in place: the old copy goes
+    assert clear_leftovers(tmp_path) == [tmp_path / ".old-final"] and (tmp_path / "final").is_dir()
+
+
 def test_taking_the_lock_clears_leftovers(tmp_path):
     (tmp_path / ".deleting-checkpoint-7").mkdir()
     (tmp_path / ".deleting-checkpoint-7" / "optimizer.pt").write_bytes(b"x")

@@ -44,7 +44,7 @@ FINAL_DIR = "final"  # in output_dir: the trained model as save_pretrained write
 RECIPE_FILE = "recipe.json"  # in output_dir: what `hputrain train` ran, written at its end
 _FOLDER_NAME = re.compile(r"checkpoint-(\d+)")
 # What a killed save, re-save or rotation leaves: .tmp-, .old- and .deleting-checkpoint-N.
-_LEFTOVER = re.compile(r"\.(tmp|old|deleting)-(checkpoint-\d+)")
+_LEFTOVER = re.compile(rf"\.(tmp|old|deleting)-(checkpoint-\d+|{FINAL_DIR})")  # and export's
 
 
 class CheckpointError(InputError):
@@ -125,10 +125,11 @@ def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock:
 
 
 def clear_leftovers(output_dir: str | os.PathLike) -> list[Path]:
-    """Delete what a killed save or rotation left in `output_dir` (.tmp-checkpoint-N: half
-    written; .deleting-checkpoint-N: half deleted; .old-checkpoint-N: replaced), and return it.
-    An .old-checkpoint-N without its checkpoint-N (a kill between `finalize`'s two renames) is
-    the only copy of that checkpoint: it is put back instead. Only the lock holder calls this."""
+    """Delete what a killed save, export or rotation left in `output_dir` (.tmp-checkpoint-N,
+    .tmp-final: half written; .deleting-checkpoint-N: half deleted; .old-checkpoint-N, .old-final:
+    replaced), and return it. An .old- folder without its checkpoint-N or final/ (a kill between
+    `finalize`'s two renames) is the only copy: it is put back instead. Only the lock holder
+    calls this."""
     folder, removed = Path(output_dir), []
     if not folder.is_dir():
         return removed
@@ -140,7 +141,8 @@ def clear_leftovers(output_dir: str | os.PathLike) -> list[Path]:
         if match is None or not child.is_dir():
             continue
         final = folder / match.group(2)
-        if match.group(1) == "old" and not final.exists() and (child / STATE_FILE).is_file():
+        whole = (child / STATE_FILE).is_file() or match.group(2) == FINAL_DIR  # finalize renames whole
+        if match.group(1) == "old" and not final.exists() and whole:
             os.replace(child, final)
             continue
         shutil.rmtree(child, ignore_errors=True)
