@@ -307,7 +307,9 @@ def test_fsdp_final_round_trip_on_two_processes(tmp_path, folders):
     assert_bit_equal(trained["state"], {k: v.detach() for k, v in loaded.state_dict().items()})
     assert not torch.equal(trained["state"]["model.layers.0.mlp.experts.gate_up_proj"],
                            reference(folders["mixtral"])["model.layers.0.mlp.experts.gate_up_proj"])
-    assert torch.equal(logits_of(loaded), trained["logits"])
+    # the same weights bit for bit (above); the logits of two processes of different thread counts
+    # (a worker runs 1 OpenMP thread, this process 2) may differ in the last bits of a sum
+    torch.testing.assert_close(logits_of(loaded), trained["logits"], rtol=1e-5, atol=1e-5)
     # one whole parameter at a time, and the copy transformers' reverse conversion makes of it
     # (its Chunk of gate_up_proj into gate and up is contiguous): not the whole model
     peaks = json.loads((tmp_path / "peaks.json").read_text())

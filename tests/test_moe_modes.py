@@ -72,6 +72,10 @@ class DynamoGraphs(Callback):
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
+        # dynamo keeps what it compiled for the process: a test that compiled the same forward
+        # earlier in the session (the whole slow suite in one process) would leave this run's
+        # warm-up nothing to compile
+        torch._dynamo.reset()
 
     @staticmethod
     def _graphs() -> int:
