@@ -509,3 +509,30 @@ def test_cached_examples_give_the_same_blocks(processings, image_data, tmp_path,
     other = load_image_data(str(path), "messages", processing, 96, options(assistant_only_loss=False),
                             tmp_path / "cache", rows=rows_of(path), cache_key=key)
     assert not other.from_cache and other.cache_file != first.cache_file
+
+
+# -- pixel buckets (issue 47, item 18) ---------------------------------------------------------------
+
+def test_resize_to_bucket_is_trainings_resize():
+    """The one resize rule training and generate share: the bucket nearest the image's aspect
+    ratio, at its size, with the processor's filter; a fixed-size family's image as it is."""
+    from PIL import Image
+
+    from hputrain.data.vision.buckets import make_buckets, resize_to_bucket
+
+    from .vlm_fixtures import image_processor
+
+    qwen = vision_family(tiny_vlm_config("qwen2_5_vl", vlm_tokenizer()))
+    buckets = make_buckets(qwen, image_processor("qwen2_5_vl"), ["112x112", "224x56", "56x224"])
+    rng = np.random.default_rng(0)
+    for width, height in [(90, 20), (20, 90), (60, 50)]:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        index = buckets.choose(width, height)
+        resized = resize_to_bucket(image, buckets)
+        assert resized.size == buckets.sizes[index]
+        assert np.array_equal(np.asarray(resized), np.asarray(image.resize(buckets.sizes[index], resample=3)))
+    llava = vision_family(tiny_vlm_config("llava", vlm_tokenizer()))
+    fixed = make_buckets(llava, image_processor("llava"), tokens_of=lambda w, h: 4)
+    image = Image.new("RGB", (90, 20))
+    assert resize_to_bucket(image, fixed) is image and fixed.distortion(90, 20) == 0.0
+    assert buckets.distortion(224, 56) == 0.0 and abs(buckets.distortion(112, 56) - 1.0) < 1e-9

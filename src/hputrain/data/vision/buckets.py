@@ -1,5 +1,5 @@
-"""Pixel buckets: the few image sizes a run's images are resized into, each giving the same fixed
-number of image tokens, so the vision tower and the packed blocks keep a few static shapes.
+"""Pixel buckets: the image sizes a run's images are resized into, each an image of at most the
+slot's count of image tokens, so that the vision tower and the packed blocks keep one static shape.
 
 Fixed-size families (LLaVA, Gemma 3): one bucket, the size the image processor makes of every
 image (CLIP's centre crop, Gemma's resize). Images are handed to the image processor as they are,
@@ -11,8 +11,11 @@ within the image processor's min_pixels..max_pixels (there its own resize leaves
 tokens = (width / 28) x (height / 28). --image-buckets WxH, or three defaults of equal token
 count: square, wide and tall (the largest square count up to 256 tokens that the pixel limits
 allow and that has a wide shape near 16:9, e.g. 336x336, 448x252, 252x448: 144 tokens each).
-Each image goes into the bucket nearest its aspect ratio and is resized there (the processor's
-resampling filter); buckets whose token counts differ are one line naming each.
+Each image goes into the bucket nearest its aspect ratio (`Buckets.choose`) and is resized there
+with the processor's resampling filter; `resize_to_bucket` is that rule for one image, which
+`hputrain generate` applies too, so that a question about an image sees it as training did.
+Buckets whose token counts differ are one line naming each. An image whose aspect ratio is more
+than MAX_DISTORTION from its bucket's is measured by `Buckets.distortion`.
 """
 from __future__ import annotations
 
@@ -25,8 +28,23 @@ from ...errors import InputError
 DEFAULT_MAX_TOKENS = 256
 """The default buckets of a dynamic-resolution family give at most this many tokens an image."""
 
+MAX_DISTORTION = 0.10
+"""The most an image's aspect ratio is changed by the default buckets (from 1:DEFAULT_RATIO to
+DEFAULT_RATIO:1); an image changed more is warned of."""
+
+DEFAULT_RATIO = 10.0
+"""The widest (and tallest) aspect ratio the default buckets keep within MAX_DISTORTION."""
+
+RATIO_LIMIT = DEFAULT_RATIO * (1 + MAX_DISTORTION)
+"""The widest aspect ratio of a bucket (11:1): Qwen2.5-VL's static tower plans its window slots
+for no wider an image (execution/vision.py, `most_windows`), so --image-buckets beyond it is one
+line."""
+
 WIDE_RATIO = 16 / 9
 """The shape the default wide (and tall) bucket comes nearest to: a wide photo's or screen's."""
+
+MIN_FILL = 0.75
+"""A default bucket gives at least this share of the slot's tokens (where the pixel limits allow)."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +54,19 @@ class Buckets:
     sizes: tuple[tuple[int, int], ...]
     """(width, height) of each bucket."""
     tokens: int
-    """Image tokens of one image, in every bucket."""
+    """Image tokens of an image slot: the most of any bucket (every bucket's, for fixed-size
+    families and equal counts)."""
     resizes: bool
     """True: images are resized to their bucket here (dynamic resolution); False: the image
     processor resizes every image to its one size itself."""
     resample: int = 3
     """PIL's resampling filter for the resize (the image processor's; 3 is bicubic)."""
+    counts: tuple[int, ...] = ()
+    """Image tokens of each bucket (empty: `tokens` each)."""
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            object.__setattr__(self, "counts", (self.tokens,) * len(self.sizes))
 
     def choose(self, width: int, height: int) -> int:
         """The index of the bucket nearest in aspect ratio to a width x height image (the first
@@ -49,6 +74,15 @@ class Buckets:
         shape = math.log(width / height)
         return min(range(len(self.sizes)),
                    key=lambda i: abs(shape - math.log(self.sizes[i][0] / self.sizes[i][1])))
+
+    def distortion(self, width: int, height: int, index: int | None = None) -> float:
+        """How much a width x height image's aspect ratio changes in bucket `index` (its own,
+        `choose`, by default): 0.1 when one side is stretched 10% against the other. Zero where the
+        image processor resizes every image itself (its own rule, not a bucket's)."""
+        if not self.resizes:
+            return 0.0
+        bucket = self.sizes[self.choose(width, height) if index is None else index]
+        return math.exp(abs(math.log(width / height) - math.log(bucket[0] / bucket[1]))) - 1
 
     def resize(self, image, index: int):
         """`image` (PIL) as the image processor should get it for bucket `index`: resized to the
@@ -58,10 +92,53 @@ class Buckets:
         return image.resize(self.sizes[index], resample=self.resample)
 
     def describe(self) -> str:
-        """"3 pixel buckets (336x336, 448x252, 252x448) of 144 image tokens each"."""
-        names = ", ".join(f"{w}x{h}" for w, h in self.sizes)
-        count = f"{len(self.sizes)} pixel buckets" if len(self.sizes) > 1 else "1 pixel bucket"
-        return f"{count} ({names}) of {self.tokens} image tokens each"
+        """"3 pixel buckets (336x336, 448x252, 252x448) of 144 image tokens each", or for many,
+        their span, their token counts, how closely they keep aspect ratios, and the one image
+        slot (one shape, one graph) they all run in."""
+        low, high = min(self.counts), max(self.counts)
+        if len(self.sizes) <= 3:
+            names = ", ".join(f"{w}x{h}" for w, h in self.sizes)
+            count = f"{len(self.sizes)} pixel buckets" if len(self.sizes) > 1 else "1 pixel bucket"
+        else:
+            tall, wide = (min(self.sizes, key=lambda s: s[0] / s[1]), max(self.sizes, key=lambda s: s[0] / s[1]))
+            names = (f"{self.sizes[0][0]}x{self.sizes[0][1]}, ... from {tall[0]}x{tall[1]} to "
+                     f"{wide[0]}x{wide[1]}")
+            count = f"{len(self.sizes)} pixel buckets"
+        if low == high:
+            words = f"{count} ({names}) of {high} image tokens each"
+        else:
+            words = f"{count} ({names}) of {low} to {high} image tokens"
+        kept = self.kept_within()
+        if kept is not None:
+            words += f", aspect ratios kept within {kept[1]:.0%} from 1:{kept[0]:g} to {kept[0]:g}:1"
+        if len(self.sizes) > 1:
+            words += f"; one image slot shape of {self.tokens} tokens for them all (1 graph)"
+        return words
+
+    def kept_within(self) -> tuple[float, float] | None:
+        """(R, the most an image's aspect ratio is changed from 1:R to R:1), for buckets that resize
+        and have more than one shape; R is DEFAULT_RATIO, or the widest bucket's ratio if less."""
+        if not self.resizes or len(self.sizes) < 2:
+            return None
+        ratios = [w / h for w, h in self.sizes]
+        reach = min(DEFAULT_RATIO, max(max(ratios), 1 / min(ratios)))
+        points = [math.exp(math.log(reach) * (2 * i / 400 - 1)) for i in range(401)]
+        points += [r for r in ratios if 1 / reach <= r <= reach]
+        edges = sorted(ratios)
+        points += [math.sqrt(a * b) for a, b in zip(edges, edges[1:])]  # the worst places
+        worst = max(min(abs(math.log(p / r)) for r in ratios) for p in points if 1 / reach <= p <= reach)
+        return round(reach, 1), math.exp(worst) - 1
+
+
+def resize_to_bucket(image, buckets: Buckets):
+    """`image` (an RGB PIL image, oriented and flattened as the run's image reader gives it) as
+    training hands it to the image processor: resized into the bucket nearest its aspect ratio
+    (`Buckets.choose`, with the processor's resampling filter), or as it is for a fixed-size
+    family, whose processor resizes every image itself. The one rule of training's blocks
+    (encode.Processing.pixels) and of `hputrain generate`'s questions, so that a model is asked
+    about an image as it learned from it. `buckets`: the run's (encode.Processing.buckets,
+    from --image-buckets or the defaults)."""
+    return buckets.resize(image, buckets.choose(*image.size))
 
 
 def parse_size(text: str) -> tuple[int, int]:
