@@ -16,7 +16,13 @@ a case's name, so that the names of the dense cases stay those docs/reliability.
 Issue 41 adds the level "vlm": a tiny LLaVA (tests/vlm_fixtures.py) trained on image
 conversations (`messages` + `images`) or prompt-completion rows with images, read whole from a
 file. Each model level's cases are added after the previous level's, so that a new level never
-changes the cases (and names) of those before it."""
+changes the cases (and names) of those before it.
+
+Issue 47 adds the level "vlm_real" ("vlm x real template"): the same tiny LLaVA with the chat
+template llava-hf/llava-1.5-7b-hf ships (tests/chat_templates/llava-1.5-7b-hf.jinja: it prints
+only parts of type "text" and writes no end of turn), trained on rows as users' files hold them:
+plain string contents, a system prompt, rows with two images, one or none (vlm_fixtures.
+string_rows); on issue 46's main every such row was dropped."""
 from __future__ import annotations
 
 import functools
@@ -39,10 +45,12 @@ FACTORS = {
     # issue 39: a folder of shards read whole (its validation/ subfolder the validation split)
     "source": ("file", "folder", "stream"),
     # issue 40: a mixture of experts (last, so that the dense cases are picked as before);
-    # issue 41: a vision-language model on image data
-    "model": ("dense", "moe", "vlm"),
+    # issue 41: a vision-language model on image data; issue 47: the same with a published
+    # model's own chat template, on string contents
+    "model": ("dense", "moe", "vlm", "vlm_real"),
 }
 UNNAMED = {NA, "dense"}  # levels a case's name leaves out
+VLM_LEVELS = ("vlm", "vlm_real")  # the model levels of an image-text-to-text model
 
 # Pairs refused by design (each is tested for its one-line error, exit 2): left out of the table.
 REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
@@ -73,7 +81,11 @@ LEVEL_CASES = {"vlm": (
     dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
          validation="noval", reference=NA, precision="fp32", source="file", model="vlm"),
     dict(method="chat", adapters="lora", packing="packed", processes="fsdp2", mode="eager",
-         validation="val", reference=NA, precision="fp32", source="file", model="vlm"))}
+         validation="val", reference=NA, precision="fp32", source="file", model="vlm")),
+    # issue 47: the default image fine-tune of a LLaVA-1.5 folder as published, on string rows
+    "vlm_real": (
+    dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
+         validation="val", reference=NA, precision="fp32", source="file", model="vlm_real"),)}
 
 
 def allowed(case: dict) -> bool:
@@ -92,7 +104,7 @@ def allowed(case: dict) -> bool:
         return False  # the adapter-disabled base needs adapters
     if case["reference"] == "ref_frozen" and case["adapters"] != "full":
         return False  # under LoRA without --ref-model the reference is the adapter-disabled base
-    if case["model"] == "vlm" and not vlm_allowed(case):
+    if case["model"] in VLM_LEVELS and not vlm_allowed(case):
         return False
     levels = set(case.items())
     return not any(pair <= levels for pair in REFUSED_PAIRS)
@@ -185,6 +197,8 @@ class Inputs:
     moe_ref_model: str = ""
     vlm_model: str = ""  # issue 41: the "vlm" level's tiny LLaVA folder
     vlm_datasets: dict = field(default_factory=dict)  # method (chat, completion) -> image data file
+    vlm_real_model: str = ""  # issue 47: the "vlm_real" level's LLaVA with llava-1.5's own template
+    vlm_real_datasets: dict = field(default_factory=dict)  # method -> string rows with images
 
     def models(self, case: dict) -> tuple[str, str]:
         """(--model, --ref-model) of a case."""
@@ -192,6 +206,8 @@ class Inputs:
             return self.moe_model, self.moe_ref_model
         if case.get("model") == "vlm":
             return self.vlm_model, ""
+        if case.get("model") == "vlm_real":
+            return self.vlm_real_model, ""
         return self.model, self.ref_model
 
 
@@ -210,6 +226,8 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
         data = [inputs.folders[case["method"], case["validation"]]]
     elif case["model"] == "vlm":
         data = [inputs.vlm_datasets[case["method"]]]
+    elif case["model"] == "vlm_real":
+        data = [inputs.vlm_real_datasets[case["method"]]]
     else:
         data = [inputs.datasets[case["method"]]]
     model, ref_model = inputs.models(case)

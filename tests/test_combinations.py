@@ -29,7 +29,7 @@ import torch
 from . import combinations as combos
 from .hf_fixtures import tiny_llama_config, tiny_tokenizer
 from .moe_fixtures import tiny_moe_config
-from .vlm_fixtures import tiny_vlm_folder, write_image_dataset
+from .vlm_fixtures import real_template, tiny_vlm_folder, write_image_dataset, write_string_dataset
 
 transformers = pytest.importorskip("transformers", reason="the combinations fine-tune HF models")
 peft = pytest.importorskip("peft", reason="half the combinations train LoRA adapters")
@@ -154,7 +154,13 @@ def inputs(tmp_path_factory) -> combos.Inputs:
                          vlm_model=str(tiny_vlm_folder(root / "vlm", "llava")),
                          vlm_datasets={method: str(write_image_dataset(root / f"vlm-{method}", fmt, rows=40))
                                        for method, fmt in (("chat", "messages"),
-                                                           ("completion", "prompt_completion"))})
+                                                           ("completion", "prompt_completion"))},
+                         # issue 47: llava-1.5's own template, rows of plain strings
+                         vlm_real_model=str(tiny_vlm_folder(root / "vlm-real", "llava",
+                                                            template=real_template("llava"))),
+                         vlm_real_datasets={
+                             method: str(write_string_dataset(root / f"vlm-real-{method}", fmt, rows=40))
+                             for method, fmt in (("chat", "messages"), ("completion", "prompt_completion"))})
 
 
 def _reward_file(root: Path) -> str:
@@ -409,14 +415,14 @@ def check_final(case: dict, inputs: combos.Inputs, run: Run) -> None:
     final = run.out / "final"
     base = inputs.models(case)[0]
     # a vision-language model's final/ loads as one, with its processor beside it (issue 41)
-    auto = (transformers.AutoModelForImageTextToText if case["model"] == "vlm"
+    auto = (transformers.AutoModelForImageTextToText if case["model"] in combos.VLM_LEVELS
             else transformers.AutoModelForCausalLM)
     model = auto.from_pretrained(base if case["adapters"] == "lora" else final)
     if case["adapters"] == "lora":
         assert not (final / "model.safetensors").exists(), run.why()
         model = peft.PeftModel.from_pretrained(model, final)
     batch = {"input_ids": torch.tensor([[1, 5, 7, 9]])}
-    if case["model"] == "vlm":  # an image through the tower, made by final/'s own processor
+    if case["model"] in combos.VLM_LEVELS:  # an image through the tower, made by final/'s own processor
         from PIL import Image
 
         processor = transformers.AutoProcessor.from_pretrained(final)

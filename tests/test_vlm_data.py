@@ -33,10 +33,10 @@ LLAVA = next(f for f in VISION_FAMILIES if f.name == "LLaVA")
 def processing(vlm_folders):  # noqa: F811
     made = {}
 
-    def get(family: str, tagged: bool = False) -> Processing:
-        if (family, tagged) not in made:
-            made[family, tagged] = Processing.load(vlm_folders(family, tagged))
-        return made[family, tagged]
+    def get(family: str, tagged: bool = False, real: bool = False) -> Processing:
+        if (family, tagged, real) not in made:
+            made[family, tagged, real] = Processing.load(vlm_folders(family, tagged, real))
+        return made[family, tagged, real]
 
     return get
 
@@ -264,6 +264,37 @@ def test_transparency_is_composited_as_the_processor_does(processing, tmp_path):
                                   reference["pixel_values"][0])
 
 
+def test_exif_orientation_is_applied_before_the_bucket(processing, vlm_folders, tmp_path):  # noqa: F811
+    """A phone's portrait photo (pixels stored 64x48, EXIF Orientation 6: shown 48x64) trains as
+    shown, as transformers' load_image reads it: LLaVA's pixel values are the processor's on the
+    turned image (on today's main they differed by up to 3.7, the image lying on its side), and
+    Qwen2.5-VL chooses its bucket by the shown size (tall, not wide) and resizes the turned
+    image into it."""
+    from transformers.image_utils import load_image
+
+    from hputrain.data.vision import encode_row
+
+    from .vlm_fixtures import write_phone_photo
+
+    path = write_phone_photo(tmp_path / "DCIM" / "IMG_0001.JPG")
+    shown = load_image(str(path))
+    assert shown.size == (48, 64)
+    llava = processing("llava")
+    reference = llava.image_processor(images=[shown], return_tensors="np")["pixel_values"][0]
+    np.testing.assert_array_equal(llava.pixels(str(path), 0)["pixel_values"].numpy(), reference)
+
+    qwen = Processing.load(vlm_folders("qwen2_5_vl"), image_buckets=["112x56", "56x112"])
+    row = {"messages": [{"role": "user", "content": "which way up?"},
+                        {"role": "assistant", "content": "portrait"}], "images": ["DCIM/IMG_0001.JPG"]}
+    example = encode_row(row, "messages", qwen, "a row", tmp_path)
+    assert example.buckets == [1]  # 56x112, the tall bucket
+    out = qwen.image_processor(images=[shown.resize((56, 112), resample=qwen.buckets.resample)],
+                               return_tensors="np")
+    pixels = qwen.pixels(example.images[0], 1)
+    np.testing.assert_array_equal(pixels["pixel_values"].numpy(), out["pixel_values"])
+    assert pixels["image_grid_thw"].tolist() == [1, 8, 4]
+
+
 def test_string_contents_get_the_images_before_the_first_user_text(processing, tmp_path):
     """TRL's rule: a conversation of plain strings gets its images' placeholders at the start of
     the first user message."""
@@ -274,6 +305,105 @@ def test_string_contents_get_the_images_before_the_first_user_text(processing, t
     made = processing("gemma3")
     (a,), (b,) = encode(plain, made)[1], encode(parts, made)[1]
     assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+
+
+# -- the published models' chat templates, rows as users' files hold them (issue 47 item 13) -------
+
+END_OF_TURN = {"llava": "", "gemma3": "<end_of_turn>", "qwen2_5_vl": "<|im_end|>"}
+"""What each real template writes after an answer (LLaVA-1.5's: nothing)."""
+
+
+@pytest.mark.parametrize("fmt", ["messages", "prompt_completion"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_string_contents_with_the_real_templates_keep_every_example(processing, family, fmt, tmp_path):
+    """Rows whose contents are plain strings (a system prompt, text-only rows, rows with one or
+    two images) under the published models' own templates: no row is dropped, and each is what
+    TRL makes of it: prepare_multimodal_messages' parts rendered by the template, then the
+    processor's ids for that text and the images (Qwen2.5-VL: the same text, its image runs
+    aside); the system prompt is in it; what is learned is the answers with the template's end
+    of turn (LLaVA-1.5's {% generation %} marks: transformers' assistant mask, as TRL's collator
+    takes it). On today's main, LLaVA-1.5's template rendered every string empty: 16 of 16 rows
+    had nothing to learn."""
+    from transformers.image_utils import load_image
+    from trl.data_utils import prepare_multimodal_messages
+
+    from .vlm_fixtures import SYSTEM, write_string_dataset
+
+    made = processing(family, real=True)
+    path = write_string_dataset(tmp_path, fmt)
+    rows, examples, stats, _ = encode(path, made)
+    assert (stats.rows, stats.examples, stats.nothing_to_learn) == (16, 16, 0)
+    assert any(not row["images"] for _, row, _ in rows) and any(len(row["images"]) == 2 for _, row, _ in rows)
+    pad = made.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for (_, row, _), example in zip(rows, examples):
+        images = [load_image(str(path.parent / name)) for name in row["images"]]
+        if fmt == "messages":
+            messages, answers = prepare_multimodal_messages(row["messages"], images), row["messages"]
+        else:
+            messages = (prepare_multimodal_messages(row["prompt"], images)
+                        + prepare_multimodal_messages(row["completion"]))
+            answers = row["completion"]
+        text = made.tokenizer.apply_chat_template(messages, tokenize=False)
+        assert SYSTEM in text
+        if made.processor is not None:
+            out = made.processor(text=[text], images=images or None, add_special_tokens=False)
+            assert example.input_ids.tolist() == out["input_ids"][0]
+        else:  # Qwen2.5-VL: each image's run of <|image_pad|> as one
+            ids = [t for k, t in enumerate(example.input_ids.tolist())
+                   if t != pad or example.input_ids[k - 1] != pad]
+            assert made.tokenizer.decode(ids) == text
+        learned = learned_text(made, example)
+        if family == "llava":  # the template's {% generation %} marks, as TRL's collator reads them
+            marked = made.processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                processor_kwargs={"add_special_tokens": False})
+            assert marked["input_ids"][0] == example.input_ids.tolist()
+            expected = [k for k, on in enumerate(marked["assistant_masks"][0]) if on and k > 0]
+            assert np.flatnonzero(example.labels >= 0).tolist() == expected
+            said = " ".join(m["content"] for m in answers if m["role"] == "assistant")
+            assert learned.split() == said.split()
+        else:
+            assert learned == "".join(m["content"] + END_OF_TURN[family]
+                                      for m in answers if m["role"] == "assistant")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_header_says_what_the_model_learns_to_stop_on(processing, family):
+    """"end of turn included" only where the template writes one (Gemma 3's <end_of_turn>,
+    Qwen's <|im_end|>); LLaVA-1.5's writes none, and the header says that no stop is learned."""
+    from hputrain.recipes.hf_vision import learned_words
+
+    made = processing(family, real=True)
+    for fmt in ("messages", "prompt_completion"):
+        words = learned_words(made, OPTIONS, fmt)
+        if family == "llava":
+            assert "end of turn included" not in words and "no end of turn" in words
+            assert "learns no stop" in words and "eos (</s>)" in words
+        else:
+            assert f"end of turn ({END_OF_TURN[family]}) included" in words
+    everything = SimpleNamespace(assistant_only_loss=False, completion_only_loss=False)
+    assert learned_words(made, everything, "messages") == \
+        "every token but the image tokens (--no-assistant-only-loss)"
+
+
+@pytest.mark.slow  # 13 s: a whole run; the encoding and the header words are tested above
+def test_a_llava_folder_as_published_trains_on_string_rows(vlm_folders, tmp_path, capsys):  # noqa: F811
+    """The issue's run: `hputrain train` on 16 rows of string contents with LLaVA-1.5's own
+    template kept none ("no example is left to train on"); now every row trains, and the header
+    says that no end of turn is learned."""
+    from hputrain.cli import main
+
+    from .vlm_fixtures import write_string_dataset
+
+    data = write_string_dataset(tmp_path / "data")
+    capsys.readouterr()
+    assert main(["train", "--model", str(vlm_folders("llava", real=True)), "--dataset", str(data),
+                 "--output-dir", str(tmp_path / "run"), "--max-steps", "1", "--block-size", "128",
+                 "--per-device-train-batch-size", "2", "--validation-split-percentage", "0",
+                 "--precision", "fp32", "--disable-tqdm", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "16 rows, 0 skipped with nothing to learn" in out, out
+    assert "end of turn included" not in out and "with no end of turn" in out, out
 
 
 def test_too_long_for_the_block_names_the_row_and_the_fix(processing, tmp_path):

@@ -50,6 +50,35 @@ def chat_template(family: str, tagged: bool = False) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+TEMPLATES = Path(__file__).parent / "chat_templates"
+
+REAL_TEMPLATES = {"llava": "llava-1.5-7b-hf.jinja", "gemma3": "gemma-3-4b-it.jinja",
+                  "qwen2_5_vl": "qwen2.5-vl-7b-instruct.jinja"}
+"""The chat templates the published models ship, copied as they are into tests/chat_templates/
+(issue 47 item 13):
+
+- llava-1.5-7b-hf.jinja: llava-hf/llava-1.5-7b-hf's chat_template.json, as transformers' own
+  tests/models/llava/test_processing_llava.py gives it (commit 043bb8dde14a, "tiny processor
+  created ... from llava-hf/llava-1.5-7b-hf"); OpenVINO GenAI's table of chat templates lists
+  the same text as "llava-1.5, llava-v1.6-vicuna (chat_template.json)". It prints only parts of
+  type "text" (a string content renders empty), the system prompt without a role, and no
+  end-of-turn marker ({% generation %} marks the assistant's text and the space after it).
+- gemma-3-4b-it.jinja: google/gemma-3-4b-it's, the one template of the Gemma 3 instruction-tuned
+  models, as the Hub's metadata of ggml-org/gemma-3-12b-it-GGUF (base_model google/gemma-3-12b-
+  it) carries it (its gguf chat_template, the JSON string decoded); unsloth's chat_templates.py
+  holds the same text "obtained via print(tokenizer.chat_template)". The system prompt goes
+  before the first user message's text; roles must alternate.
+- qwen2.5-vl-7b-instruct.jinja: Qwen/Qwen2.5-VL-7B-Instruct's chat_template.json, the Qwen2-VL
+  Instruct template (OpenVINO GenAI's table lists it as Qwen2-VL-2B-Instruct's
+  tokenizer_config.json; scripts that load Qwen2.5-VL set it as its official one). It writes a
+  default system prompt when the conversation has none."""
+
+
+def real_template(family: str) -> str:
+    """The published model's chat template of `family` (REAL_TEMPLATES)."""
+    return (TEMPLATES / REAL_TEMPLATES[family]).read_text()
+
+
 def vlm_tokenizer(image_token: str = "<image_soft_token>"):
     """tiny_tokenizer with the families' special tokens, Gemma 3's named ones as attributes
     (`image_token`: the one a processor expands, LLaVA's "<image>"). transformers 5 takes no
@@ -126,15 +155,15 @@ def image_processor(family: str):
 
 
 def tiny_vlm_folder(folder: Path, family: str = "llava", seed: int = 0, tagged: bool = False,
-                    **config_overrides) -> Path:
-    """`folder` holding config.json, the weights, the tokenizer with its chat template and the
-    image processor (and, for LLaVA and Gemma 3, processor_config.json), as save_pretrained
-    writes them."""
+                    template: str | None = None, **config_overrides) -> Path:
+    """`folder` holding config.json, the weights, the tokenizer with its chat template (a ChatML
+    one, or `template`: e.g. real_template(family)) and the image processor (and, for LLaVA and
+    Gemma 3, processor_config.json), as save_pretrained writes them."""
     import torch
     transformers = pytest.importorskip("transformers")
 
     tokenizer = vlm_tokenizer("<image>" if family == "llava" else "<image_soft_token>")
-    template = chat_template(family, tagged)
+    template = template or chat_template(family, tagged)
     torch.manual_seed(seed)
     config = tiny_vlm_config(family, tokenizer, **config_overrides)
     model = transformers.AutoModelForImageTextToText.from_config(config)
@@ -219,6 +248,76 @@ def write_image_dataset(folder: Path, fmt: str = "messages", rows: int = 24, see
     return path
 
 
+SYSTEM = "You are a careful assistant: answer in a few words."
+"""The system prompt of `string_rows`."""
+
+
+def string_rows(count: int, images: list[str], fmt: str = "messages") -> list[dict]:
+    """TRL's vision rows as users' files hold them: every content a plain string (TRL's
+    prepare_multimodal_messages adds the image parts), a system prompt, rows with two images,
+    one or none (text-only rows, as a mixed data set has them), some with a second exchange;
+    `messages`, or `prompt_completion` (prompt: the system and user messages, completion: the
+    assistant's)."""
+    rows = []
+    for i in range(count):
+        question, answer = QUESTIONS[i % len(QUESTIONS)], ANSWERS[(i + 2) % len(ANSWERS)]
+        used = [images[(i + k) % len(images)] for k in range(i % 3)]
+        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        reply = [{"role": "assistant", "content": answer}]
+        if fmt == "prompt_completion":
+            rows.append({"prompt": prompt, "completion": reply, "images": used})
+            continue
+        more = ([{"role": "user", "content": "and then"}, {"role": "assistant", "content": "nothing more"}]
+                if i % 4 == 3 else [])
+        rows.append({"messages": prompt + reply + more, "images": used})
+    return rows
+
+
+def write_string_dataset(folder: Path, fmt: str = "messages", rows: int = 16, seed: int = 0) -> Path:
+    """`folder`/data.jsonl of `string_rows` with its images beside it; returns the data file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    images = write_images(folder, max(4, rows // 2), seed)
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in string_rows(rows, images, fmt)))
+    return path
+
+
+def write_phone_photo(path: Path, size: tuple[int, int] = (64, 48), orientation: int = 6) -> Path:
+    """A JPEG as a phone writes a portrait photo: its pixels stored `size` (landscape, as the
+    sensor reads them), EXIF saying how to turn them to show it (Orientation 6: a quarter turn
+    clockwise, shown 48x64), beside the camera's make, model and time. The pixels differ from
+    corner to corner, so that a turn shows in them."""
+    import numpy as np
+    from PIL import ExifTags, Image
+
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
+                       (x * y) % 256], axis=-1).astype(np.uint8)
+    exif = Image.Exif()
+    exif[ExifTags.Base.Make], exif[ExifTags.Base.Model] = "Apple", "iPhone 13"
+    exif[ExifTags.Base.Orientation] = orientation
+    exif[ExifTags.Base.DateTime] = "2026:05:01 10:15:00"
+    exif[ExifTags.Base.Software] = "17.4.1"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path, "JPEG", quality=92, exif=exif.tobytes())
+    return path
+
+
+def write_logo(path: Path, hidden: tuple[int, int, int] = (20, 40, 60)) -> Path:
+    """A PNG logo with transparency: an opaque red square on a transparent field whose hidden
+    colour is `hidden` (what an RGB conversion shows; the processors composite it onto white)."""
+    import numpy as np
+    from PIL import Image
+
+    rgba = np.zeros((40, 40, 4), dtype=np.uint8)
+    rgba[..., :3] = hidden
+    rgba[10:30, 10:30] = (200, 10, 10, 255)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgba, "RGBA").save(path)
+    return path
+
+
 def save_image_dataset(folder: Path, rows: int = 24, seed: int = 0) -> Path:
     """The `messages` rows written by datasets' save_to_disk, `images` a list of datasets.Image
     (the images' bytes inside the Arrow files)."""
@@ -240,14 +339,16 @@ def save_image_dataset(folder: Path, rows: int = 24, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def vlm_folders(tmp_path_factory):
-    """folder(family, tagged=False): one tiny folder per family and template for the session
-    (read-only: copy it to change it)."""
+    """folder(family, tagged=False, real=False): one tiny folder per family and template for the
+    session (read-only: copy it to change it); `real`: the published model's chat template
+    (real_template) in place of the ChatML one."""
     made: dict[tuple, Path] = {}
 
-    def folder(family: str = "llava", tagged: bool = False) -> Path:
-        key = (family, tagged)
+    def folder(family: str = "llava", tagged: bool = False, real: bool = False) -> Path:
+        key = (family, tagged, real)
         if key not in made:
-            made[key] = tiny_vlm_folder(tmp_path_factory.mktemp(f"tiny-{family}"), family, tagged=tagged)
+            made[key] = tiny_vlm_folder(tmp_path_factory.mktemp(f"tiny-{family}"), family, tagged=tagged,
+                                        template=real_template(family) if real else None)
         return made[key]
 
     return folder

@@ -121,19 +121,25 @@ class ChatTemplate:
         """The text the template writes after an assistant's content to end its turn
         (`<|im_end|>`, `<|eot_id|>`, `</s>`, `<end_of_turn>`, `<|end|>`), found by the turn rule
         above on a probe conversation: what generation must stop at. None where the turn's text
-        has nothing after the content, or the template refuses the probe."""
+        has nothing after the content, or the template refuses the probe. The probe's contents
+        are strings, then text parts where the template prints no string content or refuses it
+        (LLaVA-1.5's prints only parts of type "text")."""
         content = "hputrain probe answer"
         messages = [{"role": "user", "content": "hputrain probe question"},
                     {"role": "assistant", "content": content}]
-        try:
-            full = self.render(messages, False, "the end-of-turn probe")
-            offsets = self.tokenize(full)[1]
-            (turn,) = self.turns(full, offsets, messages, [1], "the end-of-turn probe")
-        except InputError:
-            return None
-        text = full[turn.start:turn.learned_end]
-        at = text.find(content)
-        return (text[at + len(content):].strip() or None) if at >= 0 else None
+        for probe in (messages, [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                                 for m in messages]):
+            try:
+                full = self.render(probe, False, "the end-of-turn probe")
+                offsets = self.tokenize(full)[1]
+                (turn,) = self.turns(full, offsets, probe, [1], "the end-of-turn probe")
+            except InputError:
+                continue
+            text = full[turn.start:turn.learned_end]
+            at = text.find(content)
+            if at >= 0:
+                return text[at + len(content):].strip() or None
+        return None
 
     def _not_prefixes(self, where: str, i: int) -> InputError:
         return InputError(

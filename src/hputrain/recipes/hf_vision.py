@@ -189,6 +189,28 @@ def processor_words(processing) -> str:
             "class cannot be built here: Qwen2.5-VL's needs torchvision for its video processor)")
 
 
+def learned_words(processing, options, fmt: str) -> str:
+    """The header's words on what the loss counts: the completion, or the assistant turns, with
+    the end-of-turn marker the chat template writes after an answer (what generation stops at);
+    where it writes none (LLaVA-1.5's template: "ASSISTANT: answer USER: ..."), that nothing
+    teaches the model where an answer ends, and what generation then stops at."""
+    if fmt == "prompt_completion":
+        if not options.completion_only_loss:
+            return "every token but the image tokens (--no-completion-only-loss)"
+        learned = "completion tokens (--completion-only-loss)"
+    elif not options.assistant_only_loss:
+        return "every token but the image tokens (--no-assistant-only-loss)"
+    else:
+        learned = "assistant turns (--assistant-only-loss)"
+    marker = processing.template().end_of_turn()
+    if marker:
+        return f"{learned}, end of turn ({marker}) included"
+    eos = getattr(processing.tokenizer, "eos_token", None)
+    stop = f"eos ({eos}) if the model writes it" if eos else "nothing the tokenizer names"
+    return (f"{learned}, with no end of turn: the chat template writes no marker after an answer, "
+            f"so the model learns no stop (generation ends at {stop}, else at --max-new-tokens)")
+
+
 # -- what trains -----------------------------------------------------------------------------------
 
 def part_prefixes(model) -> dict[str, str]:

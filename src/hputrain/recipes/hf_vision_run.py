@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import InputError
-from .hf_vision import load_vision, prepare_parts, processor_words, saver
+from .hf_vision import learned_words, load_vision, prepare_parts, processor_words, saver
 
 UNSUPPORTED = {"dpo": "DPO", "grpo": "GRPO", "reward": "a reward model"}
 """Methods that do not take an image-text-to-text model yet."""
@@ -184,13 +184,7 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
 
     stats, rows = data.stats, data.rows
     held_out = len(data.validation) if data.validation is not None else 0
-    if data.fmt == "prompt_completion":
-        learned = ("completion tokens (--completion-only-loss)" if options.completion_only_loss
-                   else "every token but the image tokens (--no-completion-only-loss)")
-    else:
-        learned = ("assistant turns, end of turn included (--assistant-only-loss)"
-                   if options.assistant_only_loss else
-                   "every token but the image tokens (--no-assistant-only-loss)")
+    learned = learned_words(processing, options, data.fmt)
     if options.packing:
         shape = (f"{split_sizes(len(data.train), held_out, 'block')} of {block_size} tokens and "
                  f"{counted(data.slots, 'image slot')}, packed with attention kept inside each "

@@ -22,7 +22,7 @@ from ..token_store import Ragged, made_once, read_arrays, write_arrays
 from .encode import ImageExample, ImageStats
 from .rows import SavedImage
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 ARRAYS = ("input_ids", "input_ids.offsets", "labels", "labels.offsets", "buckets", "buckets.offsets",
           "images_end", "where", "where.offsets", "refs", "refs.offsets", "ref_kinds", "stats")
 PATH, BYTES, SAVED = 0, 1, 2

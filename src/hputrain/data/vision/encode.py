@@ -198,7 +198,7 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     naming the row (`where`)."""
     messages, completion, values = conversation(row, fmt, where)
     refs = [image_ref(value, folder, where) for value in values]
-    buckets = [processing.buckets.choose(*image_size(ref, where)) for ref in refs]
+    buckets = choose_buckets(refs, processing, where)
     chat = processing.template()
     prompt_completion = len(completion) < len(messages)
     only = completion_only_loss if prompt_completion else assistant_only_loss
@@ -211,24 +211,50 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     learned = np.zeros(len(text), dtype=bool)  # per character of the rendering
     for (start, end), on in zip(chat.tokenize(text)[1], mask):
         learned[start:end] |= on
-    expanded, origin = _expand(text, processing, buckets, where)
-    encoded = processing.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-    offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    input_ids, offsets, origin = expanded_tokens(text, processing, buckets, where)
     # A token is learned when one of its characters came from a learned one of the rendering.
     from_learned = np.concatenate([[0], np.cumsum(np.where(origin >= 0, learned[origin], False))])
     on = (from_learned[offsets[:, 1]] > from_learned[offsets[:, 0]]) \
         & (input_ids != processing.image_token_id) & (np.arange(len(input_ids)) > 0)
     labels = np.where(on, input_ids, IGNORE_INDEX).astype(np.int32)
-    image_at = np.flatnonzero(input_ids == processing.image_token_id)
-    if len(image_at) != len(refs) * processing.buckets.tokens:
-        raise InputError(f"{where}: the expanded conversation holds {len(image_at)} image tokens, not "
-                         f"{len(refs)} image(s) x {processing.buckets.tokens}: a message's text "
-                         "holds the model's image token")
     if not (labels != IGNORE_INDEX).any():
         return None
+    image_at = np.flatnonzero(input_ids == processing.image_token_id)
     end = _images_end(offsets, origin, image_at)
     return ImageExample(input_ids, labels, refs, buckets, end, where)
+
+
+def encode_prompt(messages: list[dict], refs: list[ImageRef], processing: Processing,
+                  where: str) -> tuple[np.ndarray, list[int]]:
+    """(int32 token ids, each image's bucket) of a conversation rendered with the generation
+    prompt, as a question to the model (`hputrain generate`): `messages` as rows.as_parts makes
+    them, each image's placeholder expanded for its bucket exactly as a training row's is, so
+    that a question is encoded as the model was trained."""
+    buckets = choose_buckets(refs, processing, where)
+    text = processing.template().render(messages, True, where)
+    return expanded_tokens(text, processing, buckets, where)[0], buckets
+
+
+def choose_buckets(refs: list[ImageRef], processing: Processing, where: str) -> list[int]:
+    """Each image's pixel bucket: the one nearest its shape as shown (rows.image_size)."""
+    return [processing.buckets.choose(*image_size(ref, where)) for ref in refs]
+
+
+def expanded_tokens(text: str, processing: Processing, buckets: list[int],
+                    where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(int32 token ids, their character offsets [N, 2], per character the one of `text` it came
+    from or -1) of rendered `text` with each image placeholder expanded for its bucket; an image
+    token in a message's own text is one line."""
+    expanded, origin = _expand(text, processing, buckets, where)
+    encoded = processing.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+    offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    found = int((input_ids == processing.image_token_id).sum())
+    if found != len(buckets) * processing.buckets.tokens:
+        raise InputError(f"{where}: the expanded conversation holds {found} image tokens, not "
+                         f"{len(buckets)} image(s) x {processing.buckets.tokens}: a message's text "
+                         "holds the model's image token")
+    return input_ids, offsets, origin
 
 
 def _expand(text: str, processing: Processing, buckets: list[int], where: str) -> tuple[str, np.ndarray]:

@@ -14,9 +14,16 @@ a `SavedImage` (where the image lies in a save_to_disk folder: read, undecoded, 
 memory-mapped Arrow files when a block is made, so that no image is held in memory until then);
 or the image's bytes (a PIL image without a file behind it is written as PNG, losslessly).
 
-Plain string contents are allowed beside parts. Where a conversation's contents are all strings,
-the images' placeholders go before the first user message's text (TRL's
-prepare_multimodal_messages rule). Every problem is one InputError line naming the row.
+Plain string contents are allowed beside parts, and every one becomes a text part (TRL's
+prepare_multimodal_messages rule), so that a template that prints only parts of type "text"
+(LLaVA-1.5's) renders it; where no message holds an image part, the images' placeholders go
+before the text of the first user message whose content is a string (the same rule). Every
+problem is one InputError line naming the row.
+
+An image is read by `open_image` alone, for training and for `hputrain generate`: its EXIF
+orientation applied (as transformers' load_image and datasets' Image do), then transparency
+composited onto white (as the image processors' convert_to_rgb does); `image_size` gives the
+size it has once turned, from its header, so that a bucket is chosen by the image as shown.
 """
 from __future__ import annotations
 
@@ -103,7 +110,7 @@ def conversation(row: Mapping, fmt: str, where: str) -> tuple[list[dict], list[i
         before = normalize(prompt, where, "prompt")
         messages = before + normalize(answer, where, "completion")
         completion = list(range(len(before), len(messages)))
-    return place_images(messages, len(images), where), completion, images
+    return as_parts(messages, len(images), where), completion, images
 
 
 def normalize(value, where: str, column: str) -> list[dict]:
@@ -153,24 +160,28 @@ def image_parts(messages: list[dict]) -> int:
                for part in m["content"] if part["type"] == "image")
 
 
-def place_images(messages: list[dict], images: int, where: str) -> list[dict]:
-    """`messages` with one image part per image: as they are when they hold parts; where every
-    content is a string, the placeholders go before the first user message's text (TRL's rule).
-    A different count of parts and images is one line."""
-    parts = image_parts(messages)
-    if parts == 0 and images and all(not isinstance(m.get("content"), list) for m in messages):
-        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-        if first is not None:
-            messages = list(messages)
-            text = messages[first].get("content") or ""
-            messages[first] = {**messages[first], "content": [{"type": "image"}] * images
-                               + [{"type": "text", "text": text}]}
-            parts = images
+def as_parts(messages: list[dict], images: int, where: str) -> list[dict]:
+    """`messages` with every string content a list of parts (TRL's prepare_multimodal_messages:
+    the string as one text part) and one image part per image. Where no message holds an image
+    part, the images' parts go before the text of the first user message whose content is a
+    string (TRL's rule; a conversation TRL takes becomes what TRL makes of it); parts already
+    there are kept as they are. A different count of parts and images is one line."""
+    place = image_parts(messages) == 0
+    prepared = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if place and message["role"] == "user":
+                parts, place = [{"type": "image"} for _ in range(images)] + parts, False
+            message = {**message, "content": parts}
+        prepared.append(message)
+    parts = image_parts(prepared)
     if parts != images:
         raise InputError(f"{where}: the messages hold {parts} image placeholder(s) "
                          f"({{'type': 'image'}} parts) and the row has {images} image(s): give one "
                          "placeholder per image")
-    return messages
+    return prepared
 
 
 # -- the images ------------------------------------------------------------------------------------
@@ -211,28 +222,40 @@ def image_ref(value, folder: Path | None, where: str) -> ImageRef:
                      "or a datasets Image")
 
 
+QUARTER_TURNS = (5, 6, 7, 8)
+"""EXIF orientations that turn an image a quarter (its width and height swap when shown)."""
+
+
 def image_size(ref: ImageRef, where: str) -> tuple[int, int]:
-    """(width, height) of an image, from its header; an unreadable image is one line."""
-    from PIL import Image
+    """(width, height) of an image as shown, its EXIF orientation applied (a phone's portrait
+    photo is stored wide), from its header; an unreadable image is one line."""
+    from PIL import ExifTags, Image
 
     try:
         with Image.open(_source(ref)) as image:
-            return image.size
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
+            # the header's EXIF: Image.getexif itself (a PNG's override would decode the pixels)
+            orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+            width, height = image.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise InputError(f"{where}: image {describe(ref)} cannot be read: {_reason(error)}") from None
+    return (height, width) if orientation in QUARTER_TURNS else (width, height)
 
 
 def open_image(ref: ImageRef, where: str | None = None):
-    """The image as an RGB PIL image, transparency composited onto white as transformers' image
-    processors do it (an unreadable image is one line naming it)."""
-    from PIL import Image
+    """The image as an RGB PIL image, as training and `hputrain generate` both read it: turned
+    by its EXIF orientation (transformers' load_image and datasets' Image do it), then any
+    transparency composited onto white (as the image processors' convert_to_rgb does: an RGB
+    conversion alone would show the colour hidden under it). An unreadable image is one line
+    naming it."""
+    from PIL import Image, ImageOps
     from transformers.image_transforms import convert_to_rgb
 
     try:
         with Image.open(_source(ref)) as image:
             image.load()
+            ImageOps.exif_transpose(image, in_place=True)
             return Image.fromarray(convert_to_rgb(image, return_numpy=True))
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         at = f"{where}: " if where else ""
         raise InputError(f"{at}image {describe(ref)} cannot be read: {_reason(error)}") from None
 
