@@ -21,6 +21,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                          num_experts_per_tok=2, decoder_sparse_step=1)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=64, moe_intermediate_size=32,
                                          num_experts=8, num_experts_per_tok=2, head_dim=8)),
+    # DeepSeek-V2 (-Lite): a softmax router, here its group-limited greedy top-k (2 groups, the
+    # best 1; V2-Lite's is plain "greedy"), multi-head latent attention; layer 0 stays dense
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        topk_method="group_limited_greedy", first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # grouped top-k (2 groups, the best 1) with the bias-corrected routing; layer 0 stays dense
     "deepseek_v3": ("DeepseekV3Config", dict(
         num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32,

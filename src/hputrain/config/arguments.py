@@ -159,6 +159,11 @@ class TrainingArguments:
     """A mixture-of-experts model's load-balancing loss weight, trained beside the language-model
     loss (and logged as aux_loss); unset: the model config's router_aux_loss_coef, trained when the
     config sets output_router_logits. 0 turns the router's loss off."""
+    router_bias_update_rate: float = 0.0
+    """DeepSeek-V3's aux-loss-free balancing, for a router that picks its experts with a correction
+    bias (e_score_correction_bias): after each optimizer step every MoE layer's bias moves by this
+    much towards balance (+rate for an expert under the mean load of the step's global batch,
+    -rate over it; DeepSeek-V3 trained with 0.001). 0: the bias stays as loaded (docs/moe.md)."""
     minimize_memory: bool = False
     """With fp8, keep fp8 weights between forward and backward instead of a wider copy."""
     fp8: bool = False
@@ -279,6 +284,8 @@ class TrainingArguments:
         check(self.learning_rate > 0, f"learning_rate must be positive, got {self.learning_rate}")
         check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
               f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
+        check(self.router_bias_update_rate >= 0,
+              f"router_bias_update_rate must not be negative, got {self.router_bias_update_rate}")
         check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
               "adam_beta1 and adam_beta2 must lie in [0, 1)")
         check(self.adam_epsilon is None or self.adam_epsilon > 0, "adam_epsilon must be positive")

@@ -23,14 +23,19 @@ def choose_block_size(asked: int | None, config, tokenizer) -> int:
 
 def model_line(trainer, model, options) -> str:
     """The header's first line: the model (its own class, not FSDP2's wrapper class), LoRA's
-    adapters, its kind (dense, or a mixture of experts), the parameters trained, the device, the
-    compute dtype and the kernels."""
-    from ..models.kind import describe as describe_kind
+    adapters, its kind (dense, or a mixture of experts, whose experts expert parallelism splits),
+    the parameters trained (the whole model's), the device, the compute dtype and the kernels;
+    for a mixture of experts, a second line on its router's balancing (training/router.py)."""
+    from ..models.kind import describe as describe_kind, experts_and_top_k
     from .finish import kernels_line
 
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    kind = describe_kind(model.config) if hasattr(model, "config") else "dense"
+    trainable, total = _whole_counts(model)
+    config = getattr(model, "config", None)
+    kind = describe_kind(config) if config is not None else "dense"
+    split, moe = trainer.args.expert_parallel_size, config is not None and experts_and_top_k(config)
+    if split > 1 and moe:
+        kind += f", experts split over {split} ranks ({moe[0] // split} a rank)"
+    router = getattr(getattr(trainer, "router", None), "line", "")
     name = f"{_class_name(model)} ({kind})"
     if options.lora_r:
         peft_config = next(iter(model.peft_config.values()))
@@ -42,7 +47,28 @@ def model_line(trainer, model, options) -> str:
     return (f"hputrain: {name}{' (random weights)' if options.from_scratch else ''}, "
             f"{_count(trainable)} of {_count(total)} parameters trainable, on "
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
-            f"{trainer.precision.describe()}{kernels_line(trainer)}")
+            f"{trainer.precision.describe()}{kernels_line(trainer)}"
+            + (f"\nhputrain: {router}" if router else ""))
+
+
+def _whole_counts(model) -> tuple[int, int]:
+    """(trainable, all) parameters of the whole model: an experts module that expert parallelism
+    split (distributed/expert_parallel.py) holds 1/size of its experts on this rank."""
+    from ..distributed.expert_parallel import SHARD_ATTRIBUTE
+
+    counts, seen = [0, 0], set()
+    for module in model.modules():
+        shard = getattr(module, SHARD_ATTRIBUTE, None)
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:  # tied weights, counted once as model.parameters() does
+                continue
+            seen.add(id(param))
+            split = (shard is not None and param.dim() > 0
+                     and param.shape[0] == shard.local_experts)
+            n = param.numel() * (shard.size if split else 1)
+            counts[0] += n if param.requires_grad else 0
+            counts[1] += n
+    return counts[0], counts[1]
 
 
 def _adapted(model) -> str:

@@ -231,6 +231,7 @@ class Trainer(CallbackHost):
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self.router.step_done()  # DeepSeek-V3's bias update, when asked (router.py)
                 accelerator.mark_step()
                 self.global_step += 1
                 watch.step_end(self.global_step, batch)
@@ -587,4 +588,3 @@ _RUN_FILES = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINA
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
              if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD]
-
