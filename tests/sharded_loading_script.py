@@ -1,14 +1,14 @@
 """Hugging Face model folders loaded shard by shard under strategy="fsdp", for
 tests/test_sharded_loading.py, started by `hputrain launch` on 2 processes:
 
-    sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref][,ep]
+    sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref][,ep][,ddp]
 
 Each case loads FOLDER (a model or adapter folder) as `hputrain train` does under fsdp across
 processes (recipes/hf.py load_model with sharded=True, LoRA r=4 added after torch.manual_seed(0)
 with `lora`), lets a Trainer shard and materialise it, and with `ref` places a deep copy of the
 starting model as DPO's frozen reference (strategy.place_frozen); with `ep` a mixture of experts'
-experts are split over the 2 ranks (expert_parallel_size=2, fsdp on the rest) and the model is
-gathered with every expert (checkpoint/host.py gathered_state). Every rank records each read of
+experts are split over the 2 ranks (expert_parallel_size=2, fsdp on the rest, or ddp with `ddp`)
+and the model is gathered with every expert (checkpoint/host.py gathered_state). Every rank records each read of
 the weight files (FolderWeights.read: the tensor's name and the rows read) into
 OUTPUT_DIR/NAME.reads.RANK.json; global rank 0 writes every tensor of the model (and of the
 reference) gathered whole, OUTPUT_DIR/NAME.pt (NAME.ref.pt), and whether the model stayed on the
@@ -67,7 +67,8 @@ def run(output_dir: Path, name: str, folder: str, flags: list[str]) -> None:
 
         register()  # the expert-parallel forward, as the recipes register it
     args = TrainingArguments(output_dir=str(output_dir / name), max_steps=1, disable_tqdm=True,
-                             accelerator="cpu", strategy="fsdp", ddp_timeout=60, report_to="none",
+                             accelerator="cpu", strategy="ddp" if "ddp" in flags else "fsdp",
+                             ddp_timeout=60, report_to="none",
                              expert_parallel_size=2 if "ep" in flags else 1)
     ids = torch.arange(8).reshape(1, 8)
     trainer = Trainer(model, args, train_dataset=[{"input_ids": ids[0], "labels": ids[0]}])

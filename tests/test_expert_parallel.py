@@ -326,3 +326,61 @@ def tiny_moe_config_for(family):
     from .moe_fixtures import tiny_moe_config
 
     return tiny_moe_config(family)
+
+
+# -- loading: each rank places and reads only its experts (issue 47 item 1) -------------------------
+
+def test_the_experts_are_split_before_the_model_is_placed(monkeypatch):
+    """ExpertParallel.place keeps this rank's experts (rank 1 of 2: experts 4-7) before the
+    inner strategy places the model, so that the device never receives every expert (today the
+    whole model is placed, then split in wrap)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from hputrain.distributed import expert_parallel as ep
+    from hputrain.distributed.strategies import Strategy
+    from hputrain.execution.experts.parallel import register
+
+    from .moe_fixtures import tiny_moe_config
+
+    register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config("mixtral"))
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    whole = model.get_parameter(key).detach().clone()
+    layout = SimpleNamespace(size=2, rank=1, group=None, host_group=None, replicate_group=None, mesh=None)
+    monkeypatch.setattr(ep.ExpertLayout, "build", classmethod(lambda cls, size, device_type: layout))
+    placed = {}
+
+    class Recording(Strategy):
+        name = "ddp"
+
+        def place(self, module, device):
+            placed.update({n: p.detach().clone() for n, p in module.named_parameters() if ".experts." in n})
+            return module
+
+    group = SimpleNamespace(mesh=SimpleNamespace(device_type="cpu"), distributed=False)
+    ep.ExpertParallel(Recording(), group, 2).place(model, torch.device("cpu"))
+    assert torch.equal(placed[key], whole[4:8])
+
+
+@pytest.mark.slow
+def test_each_ddp_expert_parallel_rank_peaks_below_one_process_by_its_share(tmp_path):
+    """`hputrain train --devices 2 --strategy ddp --expert-parallel-size 2` on a Mixtral folder of
+    201 MB of experts (bench/moe_memory.py): each rank's peak RSS when training begins (loaded,
+    split, placed) is below one process's by more than 0.3 × the experts (it holds half of
+    them; today every rank loads the whole model, then splits it: no lower than one process)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "moe_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    folder, sizes = bench.moe_folder(tmp_path, layers=4, hidden=512, intermediate=1024)
+    assert 200e6 < sizes["experts"] and sizes["dense"] < 0.1 * sizes["experts"]
+    one = bench.run(folder, tmp_path, "1 process", bench.RUNS["1 process"])[0]["loaded"]
+    ranks = bench.run(folder, tmp_path, "ddp + EP 2", bench.RUNS["ddp + EP 2"])
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert rank["loaded"] < one - 0.3 * sizes["experts"], (one, ranks, sizes)

@@ -204,8 +204,9 @@ class ExpertParallel(Strategy):
     """Another strategy (ddp, fsdp) on the rest of the model, the experts split over the
     expert-parallel group (see the module docstring for their gradients)."""
 
-    def __init__(self, inner: Strategy, group, size: int) -> None:
+    def __init__(self, inner: Strategy, group, size: int, seed: int = 0) -> None:
         self.inner, self.group, self.size = inner, group, size
+        self.seed = seed  # what a meta model's weights no source fills are drawn from (ddp)
         self.name = inner.name
         self.forward_is_collective = True  # every forward exchanges tokens with the group's ranks
         self.shards_state = True  # each rank writes its experts (DCP), which reshards on load
@@ -227,18 +228,37 @@ class ExpertParallel(Strategy):
         self.inner.device = value
 
     def place(self, model, device):
+        """The experts split first, then the rest placed, so that no device ever holds every
+        expert. A model on the meta device (the recipe's shard-by-shard loading) gets its
+        storage here under ddp, each rank reading from its weight source only its own experts
+        and the rest (fsdp materialises it after sharding, in `wrap`)."""
+        from .fsdp import materialise, on_meta, weight_source
+
+        self._split(model)
+        if not self.inner.shards_state and on_meta(model):
+            materialise(model, device, self.seed, weight_source(model))
         return self.inner.place(model, device)
 
-    def wrap(self, model):
+    def _split(self, model) -> None:
+        """split_experts on this rank's layout (built once), and the views under which
+        checkpoints and the weight source see each split parameter whole."""
+        if self.layout is not None:
+            return
         self.layout = ExpertLayout.build(self.size, self.group.mesh.device_type)
         self.expert_params = split_experts(model, self.layout)
-        names = expert_parameter_names(model)
+        sharded = self.inner.shards_state and self.group.distributed
+        # checkpoint/host.py's STATE_VIEWS: the weight source's fill (and DCP) see each split
+        # parameter whole; named again in `wrap`, after activation checkpointing's wrappers
+        model.hputrain_state_views = ExpertViews(set(expert_parameter_names(model)), self.layout.mesh, sharded)
+
+    def wrap(self, model):
+        self._split(model)  # split in `place`, unless nothing was placed (`hputrain plan`)
+        names = expert_parameter_names(model)  # as named now (activation checkpointing's wrappers)
         if self.inner.name == "ddp":  # DDP leaves these to reduce_gradients
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
         sharded = self.inner.shards_state and self.group.distributed
         if sharded:
             self._shard_experts(model)
-        # checkpoint/host.py's STATE_VIEWS: DCP sees each split parameter whole
         model.hputrain_state_views = ExpertViews(set(names), self.layout.mesh, sharded)
         wrapped = self.inner.wrap(model)
         # fsdp registers new (DTensor) Parameters in place of those split_experts made
@@ -264,6 +284,12 @@ class ExpertParallel(Strategy):
 
 
     def place_frozen(self, model, device):
+        """A frozen model keeps every expert (it runs them itself); one on the meta device is
+        read whole from its weight source under ddp, as fsdp's place_frozen reads its shards."""
+        from .fsdp import materialise, on_meta, weight_source
+
+        if not self.inner.shards_state and on_meta(model):
+            materialise(model, device, self.seed, weight_source(model))
         return self.inner.place_frozen(model, device)
 
     def gradient_sync(self, module, sync):

@@ -34,7 +34,7 @@ def select_strategy(settings: ParallelismSettings, group: ProcessGroup, accelera
     if settings.expert_parallel_size > 1:
         from .expert_parallel import ExpertParallel
 
-        return ExpertParallel(strategy, group, settings.expert_parallel_size)
+        return ExpertParallel(strategy, group, settings.expert_parallel_size, settings.seed)
     return strategy
 
 

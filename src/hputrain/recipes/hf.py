@@ -234,7 +234,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
     from .hf_sharded import loads_sharded
 
-    sharded = loads_sharded(training_args)  # fsdp across processes: no rank holds the model whole
+    sharded = loads_sharded(training_args)  # fsdp or expert parallelism: no rank holds the model whole
     model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
                                   trainable=True, sharded=sharded)
     check_vocabulary(model, tokenizer, folder)
@@ -415,8 +415,9 @@ def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | No
                sharded: bool = False, task: str | None = CAUSAL_LM):
     """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
     precision plugin casts per op, and the optimizer keeps full-precision weights. `sharded`
-    (fsdp across processes): the model's parameters stay on the meta device, and each rank
-    reads its own shards once fsdp has cut them (hf_sharded.py); not for a base whose adapters
+    (fsdp or expert parallelism across processes): the model's parameters stay on the meta
+    device, and each rank reads its own shards once fsdp has cut them or its experts once they
+    are split (hf_sharded.py); not for a base whose adapters
     are merged into it, nor for --from-scratch (drawn as before). `task`: the model asked for,
     a causal LM unless said (checkpoint/model_folders.py); a folder of the other task's model
     or adapters is one line; None takes the folder's own (a sequence classifier's adapters load

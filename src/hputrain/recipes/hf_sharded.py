@@ -24,9 +24,11 @@ import torch
 
 
 def loads_sharded(training_args) -> bool:
-    """Whether this run shards the model over several processes (fsdp, WORLD_SIZE > 1, once
-    mpirun's or srun's variables are read as torchrun's): the model is then loaded shard by shard."""
-    return training_args.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this run splits the model over several processes (WORLD_SIZE > 1, once mpirun's
+    or srun's variables are read as torchrun's): fsdp, or expert parallelism under ddp too (each
+    rank keeps only its experts). The model is then loaded shard by shard."""
+    split = training_args.strategy == "fsdp" or getattr(training_args, "expert_parallel_size", 1) > 1
+    return split and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @contextlib.contextmanager
@@ -153,4 +155,3 @@ def _check_adapters(model) -> None:
     if left:
         raise InputError(f"{left[0]}: these adapters cannot be loaded with fsdp's sharded loading "
                          "(only LoRA on linear layers can)")
-

@@ -9,7 +9,10 @@ The order, each step before the next for a reason:
    image-text-to-text model, the static image merge (execution/vision.py: its image features
    merged without a count read back to the host, on blocks with padded image slots);
 2. the precision's conversion (fp8 replaces Linear layers), then the model on this rank's device
-   (a model on the meta device stays there: fsdp shards it before it materialises it);
+   (a model on the meta device stays there: fsdp shards it before it materialises it); under
+   expert parallelism the strategy's `place` first keeps this rank's experts, so that no device
+   receives every expert, and under ddp fills a meta model from its weight source, each rank
+   reading only its own experts (distributed/expert_parallel.py);
 3. activation checkpointing, before the strategy wraps the blocks it checkpoints;
 4. the keyword inputs the forward takes, and PackedInputs, which turns a packed block's
    `seq_lens` into its block mask in the dtype attention computes in (known only now);
