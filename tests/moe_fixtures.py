@@ -91,3 +91,62 @@ def moe_folders(tmp_path_factory):
         return written[key]
 
     return folder
+
+
+# -- MXFP4 folders (GPT-OSS as published) -----------------------------------------------------------
+
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+"""The quantization_config of openai/gpt-oss-20b's config.json."""
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The magnitudes of the 4-bit E2M1 codes 0-7 (codes 8-15: the same, negative)."""
+
+
+def to_mxfp4(weight):
+    """An experts parameter as the model holds it (experts × in × out) in MXFP4, as transformers
+    writes it (integrations/mxfp4.py Mxfp4ReverseDeserialize): blocks, experts × out × in/32 × 16
+    uint8 (two E2M1 codes a byte, the element of even index in the low nibble), and scales,
+    experts × out × in/32 uint8 (the group's power of two plus 127). Each group of 32 takes the
+    OCP MX shared exponent, floor(log2(max |x|)) − 2, and each value the nearest code (ties to
+    the lower magnitude, a value above 6 to 6)."""
+    import torch
+
+    rows = weight.detach().transpose(1, 2).float()
+    experts, out, inner = rows.shape
+    groups = rows.reshape(experts, out, inner // 32, 32)
+    largest = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = (torch.floor(torch.log2(largest)) - 2).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - torch.tensor(_E2M1)).abs().argmin(-1)
+    codes = codes | ((scaled < 0).long() << 3)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def mxfp4_folder(folder: Path, seed: int = 0, **config_overrides) -> Path:
+    """A tiny GPT-OSS folder in the form openai publishes it: each experts parameter as
+    `{name}_blocks` and `{name}_scales` (to_mxfp4), every other tensor in bf16, and the
+    quantization_config in config.json; width 64 (2 groups of 32 along gate_up's inputs)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    transformers = pytest.importorskip("transformers")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = tiny_moe_config("gpt_oss", len(tokenizer), hidden_size=64, **config_overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = to_mxfp4(tensor)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16).contiguous()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures = [type(model).__name__]
+    written = config.to_dict() | {"quantization_config": MXFP4_QUANTIZATION, "dtype": "bfloat16"}
+    (Path(folder) / "config.json").write_text(json.dumps(written, indent=2))
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

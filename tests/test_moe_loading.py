@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from .moe_fixtures import moe_folders, tiny_moe_config  # noqa: F401
+from .moe_fixtures import moe_folders, mxfp4_folder, tiny_moe_config, to_mxfp4  # noqa: F401
 from .test_distributed import ROOT, hputrain_launch
 from .test_sharded_loading import assert_bit_equal, launch, reference
 
@@ -75,6 +75,7 @@ def folders(tmp_path_factory):
     made = {family: write_folder(root / family, family) for family in FAMILIES}
     made["mixtral-index"] = write_folder(root / "mixtral-index", "mixtral", seed=1, max_shard_size="40KB")
     made["mixtral-fused"] = fused_folder(made["mixtral"], root / "mixtral-fused")
+    made["gpt_oss-mxfp4"] = mxfp4_folder(root / "gpt_oss-mxfp4")  # as openai publishes GPT-OSS
     for family in FAMILIES:  # the folders hold each expert apart, as real checkpoints do
         assert any(re.search(r"experts\.\d+\.", key) for key in tensor_shapes(made[family])), family
     assert (made["mixtral-index"] / "model.safetensors.index.json").is_file()
@@ -373,3 +374,127 @@ def test_each_operation_reads_what_transformers_operations_give():
             box = tuple(slice(n // 3, n - n // 4) for n in whole.shape)
             read = node.read(box, lambda key, index: stored[key][index])
             assert torch.equal(read, whole[box]), name
+
+
+# -- MXFP4 folders (GPT-OSS as published: the experts as 4-bit blocks and their scales) -----------
+
+def test_the_mxfp4_writer_gives_what_transformers_dequantizes_back():
+    """The fixture's writer is MXFP4 as transformers reads it: values that MXFP4 holds exactly
+    (an E2M1 value times a power of two per group of 32) come back bit for bit from transformers'
+    own dequantization (integrations/mxfp4.py), in the model's experts × in × out layout."""
+    from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    experts, inner, out = 3, 96, 10  # 3 groups of 32 along the inputs
+    codes = torch.randint(0, 16, (experts, out, inner), generator=g)
+    powers = torch.randint(-8, 4, (experts, out, inner // 32), generator=g).repeat_interleave(32, dim=-1)
+    values = torch.tensor(FP4_VALUES)[codes] * torch.exp2(powers.float())
+    weight = values.transpose(1, 2).contiguous()  # experts × in × out, as GptOssExperts holds it
+    blocks, scales = to_mxfp4(weight)
+    assert blocks.shape == (experts, out, inner // 32, 16) and blocks.dtype == torch.uint8
+    assert scales.shape == (experts, out, inner // 32) and scales.dtype == torch.uint8
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), weight)
+
+
+def test_an_mxfp4_folder_loads_shard_by_shard_dequantized_as_from_pretrained(folders, tmp_path, capsys):
+    """GPT-OSS as published (experts as `*_blocks` and `*_scales`, the rest bf16): the meta model
+    filled from the files equals from_pretrained(dtype=float32), which dequantizes, bit for bit,
+    with no fallback line (today: every rank loads the whole model); a dense model from there
+    on, whose save_model folder from_pretrained loads as it is."""
+    from hputrain.checkpoint.export import save_model
+    from hputrain.recipes import hf
+
+    folder = folders["gpt_oss-mxfp4"]
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in tensor_shapes(folder)
+    expected = reference(folder)
+    capsys.readouterr()
+    state = filled_on_one_process(folder)
+    assert "every rank loads the whole model" not in capsys.readouterr().out
+    assert_bit_equal(expected, state)
+    model, tokenizer = hf.load_model(folder, sharded=True)
+    assert getattr(model.config, "quantization_config", None) is None
+    from hputrain.distributed.fsdp import materialise, weight_source
+
+    materialise(model, torch.device("cpu"), 0, weight_source(model))
+    saved = save_model(model, tmp_path / "final", tokenizer)
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    assert_bit_equal(expected, {k: v.detach() for k, v in loaded.state_dict().items()})
+
+
+def test_a_part_of_mxfp4_experts_reads_its_experts_and_groups_only(folders, monkeypatch):
+    """What a rank asks (expert parallelism's experts 2-4; any box, as fsdp's cut across the
+    inputs): only those experts' rows of the blocks and scales, and only the groups of 32 inputs
+    the box's columns fall in, equal to from_pretrained's dequantized rows."""
+    from hputrain.checkpoint.hf_weights import FolderWeights, read_experts
+    from hputrain.recipes.hf_sharded import parameters_on_meta
+
+    folder = folders["gpt_oss-mxfp4"]
+    expected = reference(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reads = Reads(monkeypatch)
+    key = "model.layers.1.mlp.experts.gate_up_proj"  # experts × 64 inputs (2 groups) × 64
+    assert torch.equal(read_experts(folder, model, key, range(2, 5)), expected[key][2:5])
+    assert sorted(reads.log) == sorted((f"{key}_{part}", ((e, e + 1), (0, 64), (0, 2)) + tail)
+                                       for e in (2, 3, 4) for part, tail in (("blocks", ((0, 16),)), ("scales", ())))
+    reads.log.clear()
+    source = FolderWeights.match(folder, model)
+    box = (slice(5, 7), slice(40, 60), slice(8, 30))  # inputs 40-59: the second group only
+    assert torch.equal(source.read_part(key, box), expected[key][box])
+    assert sorted(reads.log) == sorted((f"{key}_{part}", ((e, e + 1), (8, 30), (1, 2)) + tail)
+                                       for e in (5, 6) for part, tail in (("blocks", ((0, 16),)), ("scales", ())))
+
+
+def test_a_quantization_it_does_not_dequantize_falls_back_with_its_name(folders, tmp_path):
+    """A folder quantized another way (its quantization_config's method): its stored tensors
+    are not the weights, so no part is read as stored; the reason names the method, and the
+    caller loads the whole model through from_pretrained, as before."""
+    from hputrain.checkpoint.hf_weights import FolderWeights
+    from hputrain.recipes.hf_sharded import parameters_on_meta
+
+    folder = shutil.copytree(folders["mixtral"], tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    assert FolderWeights.match(folder, model) == (
+        "its weights are quantized (fp8), which hputrain does not dequantize part by part")
+
+
+def assert_each_rank_read_its_experts(out, name: str, folder, ranks: int = 2, experts: int = 8) -> None:
+    """Expert parallelism under ddp: each experts tensor of the folder (stored apart, or fused
+    along the experts, MXFP4 blocks and scales too) read once across the ranks, each expert by
+    the rank that holds it, [r·E/2, (r+1)·E/2); every other tensor read whole by every rank."""
+    shapes = tensor_shapes(folder)
+    counts = {key: torch.zeros(shape, dtype=torch.int32) for key, shape in shapes.items()}
+    for rank in range(ranks):
+        mine = range(rank * experts // ranks, (rank + 1) * experts // ranks)
+        for entry in json.loads((out / f"{name}.reads.{rank}.json").read_text()):
+            counts[entry["key"]][tuple(slice(a, b) for a, b in entry["index"])] += 1
+            if ".experts." in entry["key"]:
+                apart = re.search(r"experts\.(\d+)\.", entry["key"])
+                first, stop = (int(apart.group(1)), int(apart.group(1)) + 1) if apart else entry["index"][0]
+                assert mine.start <= first < stop <= mine.stop, (rank, entry)
+    for key, count in counts.items():
+        assert bool((count == (1 if ".experts." in key else ranks)).all()), key
+
+
+@pytest.mark.slow
+def test_mxfp4_and_ddp_expert_parallelism_load_each_ranks_part_on_two_ranks(tmp_path, folders):
+    """On 2 processes: the MXFP4 GPT-OSS folder under fsdp (each byte read once, as any folder),
+    and Mixtral and the MXFP4 folder under ddp with expert_parallel_size=2 (issue 47 item 1:
+    today every rank loads the whole model and then splits it): equal to from_pretrained, the
+    model on the meta device until the strategy, each rank reading its own experts only."""
+    mxfp4, mixtral = folders["gpt_oss-mxfp4"], folders["mixtral"]
+    launch(tmp_path, f"mxfp4-fsdp,{mxfp4}", f"mixtral-ep-ddp,{mixtral},ep,ddp", f"mxfp4-ep-ddp,{mxfp4},ep,ddp")
+    for name, folder in (("mxfp4-fsdp", mxfp4), ("mixtral-ep-ddp", mixtral), ("mxfp4-ep-ddp", mxfp4)):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["on_meta"], name
+        assert_bit_equal(reference(folder), torch.load(tmp_path / f"{name}.pt"))
+        if name.endswith("ddp"):
+            assert_each_rank_read_its_experts(tmp_path, name, folder)
+        else:
+            assert_each_byte_read_once(tmp_path, name, folder)

@@ -17,7 +17,10 @@ node asks each of its inputs only for the part of it that lands inside, down to 
 rank whose shard is experts 0-3 of a layer reads experts 0-3's tensors and nothing of the others.
 
 Operations followed: MergeModulelist, Concatenate, Transpose, Chunk (every MoE family of
-transformers that stores experts apart uses the first two). A mapping that uses another
+transformers that stores experts apart uses the first two), and Mxfp4Dequantize, the
+quantizer's conversion of an MXFP4 folder (GPT-OSS as published: each experts parameter stored
+as 4-bit blocks and scales), read part by part and dequantized into the parameter's dtype with
+transformers' own function, as from_pretrained dequantizes it. A mapping that uses another
 operation on the folder's tensors is reported (a string saying which), and the caller loads the
 whole model as before. Saving goes the other way through transformers' own
 `revert_weight_conversion`, one parameter at a time (`disk_form`).
@@ -145,6 +148,43 @@ class Piece(Node):
         return self.part.keys()
 
 
+class Mxfp4(Node):
+    """An experts parameter stored in MXFP4 (GPT-OSS as published): `{name}_blocks`, experts ×
+    rows × groups × 16 bytes (two 4-bit E2M1 values a byte, the low nibble first), and
+    `{name}_scales`, experts × rows × groups (a power of two per group of 32 values, biased by
+    127), dequantized by transformers' own function (integrations/mxfp4.py, as from_pretrained's
+    Mxfp4Dequantize does where it has no MXFP4 kernels) into the parameter's `dtype`, the result
+    transposed to experts × 32·groups × rows. A part reads, for its experts and rows only, the
+    groups its columns fall in, one expert at a time (the dequantized copy of one expert's part
+    is all it holds beside the result)."""
+
+    def __init__(self, blocks: Node, scales: Node, dtype: torch.dtype) -> None:
+        if len(blocks.shape) != 4 or blocks.shape[:3] != scales.shape:
+            raise _Unfollowed(f"dequantizes MXFP4 blocks {list(blocks.shape)} with scales "
+                              f"{list(scales.shape)}, which are not experts × rows × groups (× 16)")
+        experts, rows, groups, width = blocks.shape
+        self.blocks, self.scales, self.dtype, self.group = blocks, scales, dtype, 2 * width
+        self.shape = (experts, groups * self.group, rows)
+
+    def read(self, box: Box, reader: Reader) -> torch.Tensor:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        experts, columns, rows = box
+        groups = slice(columns.start // self.group, -(-columns.stop // self.group))
+        skip = columns.start - groups.start * self.group
+        out = torch.empty(tuple(part.stop - part.start for part in box), dtype=self.dtype)
+        for index, expert in enumerate(range(experts.start, experts.stop)):
+            one = slice(expert, expert + 1)
+            blocks = self.blocks.read((one, rows, groups, slice(0, self.blocks.shape[3])), reader)
+            scales = self.scales.read((one, rows, groups), reader)
+            values = convert_moe_packed_tensors(blocks, scales, dtype=self.dtype)  # 1 × columns × rows
+            out[index] = values[0, skip:skip + out.shape[1]]
+        return out
+
+    def keys(self) -> list[str]:
+        return self.blocks.keys() + self.scales.keys()
+
+
 class _Unfollowed(Exception):
     """A conversion this module cannot follow part by part; its message says which."""
 
@@ -159,7 +199,12 @@ def folder_plan(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> d
     """Each state-dict name of `model` that the folder's tensors (`shapes`: name -> shape) give,
     as from_pretrained maps them, -> its node; or a string saying which conversion of
     transformers cannot be followed part by part. A model without a conversion mapping (not a
-    transformers model, a transformers without conversions) maps names one to one."""
+    transformers model, a transformers without conversions) maps names one to one. Quantized
+    weights are followed where their dequantization is (DEQUANTIZED), else said: a part read as
+    stored would be the quantized values without their scales."""
+    method = quantization_method(model)
+    if method is not None and method not in DEQUANTIZED:
+        return f"its weights are quantized ({method}), which hputrain does not dequantize part by part"
     mapping = _conversion_mapping(model)
     if mapping is None:
         return {name: Leaf(name, shape) for name, shape in shapes.items()}
@@ -192,8 +237,25 @@ def folder_plan(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> d
     return plan
 
 
+DEQUANTIZED = ("mxfp4",)
+"""The quantization methods of pre-quantized folders read part by part, dequantized (Mxfp4)."""
+
+
+def quantization_method(model) -> str | None:
+    """The quant_method of the folder's quantization_config that `model`'s config carries
+    (from_config keeps it), or None for weights stored as they are."""
+    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quantization is None:
+        return None
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    return str(getattr(method, "value", method))
+
+
 def _conversion_mapping(model) -> list | None:
-    """The WeightRenaming and WeightConverter objects from_pretrained would load `model` with."""
+    """The WeightRenaming and WeightConverter objects from_pretrained would load `model` with;
+    for an MXFP4 folder, with its quantizer's dequantizing converters, as from_pretrained loads
+    it where it has no MXFP4 kernels (the CPU, Gaudi) or is told to dequantize."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -201,7 +263,13 @@ def _conversion_mapping(model) -> list | None:
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    return get_model_conversion_mapping(model)
+    quantizer = None
+    if quantization_method(model) in DEQUANTIZED:
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(model.config.quantization_config, pre_quantized=True)
+        quantizer.quantization_config.dequantize = True
+    return get_model_conversion_mapping(model, hf_quantizer=quantizer)
 
 
 def _converted(converter, first_name: str, inputs: dict[str, list[Node]], model) -> dict[str, Node]:
@@ -253,7 +321,21 @@ def _apply(op, values: dict, converter, first_name: str, model) -> dict:
         size = math.ceil(length / len(names))
         starts = range(0, length, size)
         return {name: Piece(node, op.dim, start, min(size, length - start)) for name, start in zip(names, starts)}
+    if _dequantizes_mxfp4(op):
+        parts = {pattern.rpartition("_")[2]: value for pattern, value in values.items()}
+        if parts.keys() != {"blocks", "scales"} or any(isinstance(v, list) and len(v) != 1 for v in parts.values()):
+            raise _Unfollowed(f"dequantizes MXFP4 from {sorted(values)}, not one blocks and one scales tensor")
+        dtype = model.get_parameter(first_name).dtype  # as Mxfp4Dequantize: the parameter's
+        return {targets[0]: Mxfp4(_single(parts["blocks"]), _single(parts["scales"]), dtype)}
     raise _Unfollowed(f"uses {type(op).__name__}, which hputrain does not follow part by part")
+
+
+def _dequantizes_mxfp4(op) -> bool:
+    try:
+        from transformers.integrations.mxfp4 import Mxfp4Dequantize
+    except ImportError:  # a transformers without MXFP4
+        return False
+    return isinstance(op, Mxfp4Dequantize)
 
 
 # -- saving: the model's parameters in the folder's form ------------------------------------------

@@ -1,8 +1,10 @@
-"""A Hugging Face model folder under strategy="fsdp" across processes, loaded so that no rank ever
-holds it whole: the model is built on the meta device (its buffers real, computed as its
-constructor computes them), carries a weight source (checkpoint/hf_weights.py) that the strategy
-calls once FSDP2 has sharded it, and each rank reads its own rows of each tensor from the
-folder's safetensors files. The weights equal `from_pretrained(dtype=float32)`'s bit for bit.
+"""A Hugging Face model folder under strategy="fsdp" across processes, or expert parallelism under
+ddp, loaded so that no rank ever holds it whole: the model is built on the meta device (its
+buffers real, computed as its constructor computes them), carries a weight source
+(checkpoint/hf_weights.py) that the strategy calls once FSDP2 has sharded it (once the experts
+are split, under ddp), and each rank reads its own rows of each tensor from the folder's
+safetensors files. The weights equal `from_pretrained(dtype=float32)`'s bit for bit; a folder of
+MXFP4 experts (GPT-OSS as published) is dequantized part by part as transformers dequantizes it.
 
 LoRA adapters, small, are drawn on the CPU as PEFT draws them for an eagerly loaded model (see
 `draw_adapters`). The folder's tensors map onto the parameters as from_pretrained maps them,
@@ -83,6 +85,10 @@ def meta_model(folder: Path, config, flag: str, auto=None, *, new_heads: bool = 
                   f"weights do not map onto {type(model).__name__}'s parameters ({source})")
         return None
     path = str(folder.resolve())
+    if getattr(model.config, "quantization_config", None) is not None:  # MXFP4 experts, which the
+        # source dequantizes (hf_conversion.py): a dense model from here on, as from_pretrained
+        # leaves a model it dequantized, so that final/ is one too
+        del model.config.quantization_config
     model.config.name_or_path = path  # what PEFT writes as the base model, as from_pretrained sets
     model.name_or_path = path
     if (folder / "generation_config.json").is_file():
@@ -155,3 +161,4 @@ def _check_adapters(model) -> None:
     if left:
         raise InputError(f"{left[0]}: these adapters cannot be loaded with fsdp's sharded loading "
                          "(only LoRA on linear layers can)")
+
