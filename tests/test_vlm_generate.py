@@ -49,11 +49,12 @@ def _ours(folder, question, paths, seen=None):
     from hputrain.accelerators import detect_accelerator
     from hputrain.execution.generation import Sampling, StaticGenerator
     from hputrain.recipes.hf_chat import stop_token_ids
-    from hputrain.recipes.hf_vision_chat import image_prompt, load_vision_for_chat, open_images
+    from hputrain.recipes.hf_vision_chat import image_prompt, image_refs, load_vision_for_chat
 
-    model, processor, tokenizer, images = load_vision_for_chat(folder)
+    model, processing = load_vision_for_chat(folder)
     model.eval()
-    prompt = image_prompt(model, processor, tokenizer, images, question, open_images(paths))
+    tokenizer = processing.tokenizer
+    prompt = image_prompt(processing, question, image_refs(paths))
     stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
     seen = [] if seen is None else seen
     engine = StaticGenerator(model, detect_accelerator("cpu"), max_completion_length=NEW_TOKENS,
@@ -109,17 +110,26 @@ def test_greedy_answer_equals_transformers_generate(family, count, vlm_folders, 
 
 
 def test_qwen_prompt_equals_the_image_processors_grid(vlm_folders, pictures):
-    """Qwen2.5-VL (no processor class here): each image's <|image_pad|> repeated by the image
-    processor's grid (t*h*w / merge^2), and the 3-D positions transformers' get_rope_index gives
-    for the expanded prompt."""
-    from hputrain.recipes.hf_vision_chat import image_prompt, load_vision_for_chat, open_images
+    """Qwen2.5-VL (no processor class here): each image resized into its training bucket, its
+    <|image_pad|> repeated by the image processor's grid for it (t*h*w / merge^2), and the 3-D
+    positions transformers' get_rope_index gives for the expanded prompt."""
+    from PIL import Image
+
+    from hputrain.recipes.hf_vision_chat import image_prompt, image_refs, load_vision_for_chat
 
     folder = vlm_folders("qwen2_5_vl")
-    model, processor, tokenizer, images = load_vision_for_chat(folder)
-    assert processor is None
-    opened = open_images(pictures[:2])
-    prompt = image_prompt(model, processor, tokenizer, images, "what is it", opened)
-    grids = images(images=opened, return_tensors="pt")["image_grid_thw"]
+    model, processing = load_vision_for_chat(folder)
+    tokenizer, images = processing.tokenizer, processing.image_processor
+    assert processing.processor is None
+    opened = []
+    for path in pictures[:2]:  # each into the bucket nearest its shape, as training resizes it
+        picture = Image.open(path).convert("RGB")
+        size = processing.buckets.sizes[processing.buckets.choose(*picture.size)]
+        opened.append(picture.resize(size, resample=processing.buckets.resample))
+    prompt = image_prompt(processing, "what is it", image_refs(pictures[:2]))
+    out = images(images=opened, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    assert torch.equal(prompt.prefill.inputs["pixel_values"], out["pixel_values"])
     pad = model.config.image_token_id
     assert prompt.ids.count(pad) == int(grids.prod(dim=1).sum()) // 4
     assert torch.equal(prompt.prefill.inputs["image_grid_thw"], grids)
@@ -169,6 +179,76 @@ def test_the_cli_answers_and_a_lora_final_folder_loads_on_its_base(vlm_folders, 
     assert not hasattr(model, "peft_config") and from_merged == ours
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_question_is_read_and_encoded_as_training_encodes_it(family, vlm_folders, tmp_path):
+    """One image reader and one prompt builder (issue 47 items 14, 15): a transparent logo
+    (white where transparent, as the processors composite it; on today's main generate showed
+    the hidden colour, mean 42.5 against 170) and a phone photo turned by its EXIF orientation
+    reach the prefill with the pixel values a training block holds for them (each resized into
+    its training bucket), and the question's tokens are the training encoding of the same
+    conversation up to the answer."""
+    from transformers.image_utils import load_image
+
+    from hputrain.data.vision import encode_row
+    from hputrain.data.vision.blocks import stack_images
+    from hputrain.recipes.hf_vision import load_processing
+    from hputrain.recipes.hf_vision_chat import image_prompt, image_refs
+
+    from .vlm_fixtures import write_logo, write_phone_photo
+
+    logo, photo = write_logo(tmp_path / "logo.png"), write_phone_photo(tmp_path / "IMG_0002.JPG")
+    folder = vlm_folders(family)
+    processing = load_processing(folder, transformers.AutoConfig.from_pretrained(folder))
+    prompt = image_prompt(processing, "what is it", image_refs([str(logo), str(photo)]))
+    row = {"messages": [{"role": "user", "content": "what is it"},
+                        {"role": "assistant", "content": "a logo and a photo"}],
+           "images": [str(logo), str(photo)]}
+    example = encode_row(row, "messages", processing, "a row")
+    assert example.input_ids.tolist()[:len(prompt.ids)] == prompt.ids
+    trained = stack_images([processing.pixels(ref, bucket)
+                            for ref, bucket in zip(example.images, example.buckets)])
+    for name, values in trained.items():
+        assert torch.equal(prompt.prefill.inputs[name], values), name
+    if processing.family.fixed_size:  # the processor's own pixel values: white under the logo's
+        # transparency (it composites an RGBA image), the photo as load_image turns it
+        from PIL import Image
+
+        out = processing.image_processor(images=[Image.open(logo), load_image(str(photo))],
+                                         return_tensors="pt")
+        assert torch.equal(prompt.prefill.inputs["pixel_values"], out["pixel_values"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_only_question_to_an_image_model_is_answered(family, vlm_folders, capsys):
+    """`generate --chat` without --image on an image-text-to-text folder (issue 47 item 21; on
+    today's main LLaVA's and Qwen2.5-VL's were refused in one line), with the published models'
+    own templates (LLaVA-1.5's prints only text parts): the answer is transformers' greedy
+    generate on the question as TRL prepares and the template renders it (Gemma 3 answers as the
+    causal LM it trains as on text)."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    folder = vlm_folders(family, real=True)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(folder), "--chat", "what is it", "--max-new-tokens",
+                 str(NEW_TOKENS), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(
+        prepare_multimodal_messages([{"role": "user", "content": "what is it"}]),
+        add_generation_prompt=True, tokenize=False)
+    assert "what is it" in text
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert answer["prompt_tokens"] == ids.shape[1]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder).eval()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         do_sample=False, eos_token_id=answer["stop_token_ids"],
+                         pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    length = next((i + 1 for i, t in enumerate(new) if t in answer["stop_token_ids"]), len(new))
+    assert answer["tokens"] == length
+    assert answer["text"] == tokenizer.decode(new[:length], skip_special_tokens=True).strip()
+
+
 def _copy_processor(source, folder) -> None:
     for name in ("processor_config.json", "preprocessor_config.json", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
@@ -196,6 +276,6 @@ def test_bad_image_requests_are_one_line(case, vlm_folders, pictures, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image" in err[0], err
     expected = {"text model": "holds a text model", "missing": "no such file",
-                "unreadable": "cannot be read as an image", "no chat": "--chat",
+                "unreadable": "cannot be read", "no chat": "--chat",
                 "checkpoint": "--model DIR"}[case]
     assert expected in err[0]

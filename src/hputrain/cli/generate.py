@@ -4,7 +4,8 @@ answer through its chat template and the static-shape generator of GRPO's rollou
 (execution/generation.py, recipes/hf_chat.py); the model folder may be a LoRA run's adapter folder
 (on its base, or --base-model DIR). With `--image FILE` (repeatable) the folder is an
 image-text-to-text model's and the question is about the images (recipes/hf_vision_chat.py):
-through the same static-shape generator, the images in its prefill."""
+through the same static-shape generator, the images in its prefill; such a folder answers a
+question without --image too, encoded as its text rows train."""
 from __future__ import annotations
 
 import json
@@ -79,15 +80,15 @@ def _check_source(args) -> None:
 def _chat(args, accelerator) -> int:
     from ..recipes.hf import model_folder
     from ..recipes.hf_chat import chat_answer
+    from ..recipes.hf_vision_chat import answers_as_vision_model, vision_answer
 
     folder = model_folder(args.model, base_model=args.base_model)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     start = time.perf_counter()
-    if args.image:
-        from ..recipes.hf_vision_chat import vision_answer
-
-        answer = vision_answer(folder, args.chat, args.image, accelerator,
+    # an image-text-to-text folder answers text-only questions too, as it trains on text rows
+    if args.image or answers_as_vision_model(folder, args.base_model):
+        answer = vision_answer(folder, args.chat, args.image or [], accelerator,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, base_model=args.base_model)
     else:

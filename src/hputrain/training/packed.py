@@ -129,13 +129,19 @@ class BlockMask:
 
 def image_runs(input_ids: torch.Tensor, image_token: int) -> torch.Tensor:
     """[batch, length, length] True where two tokens lie in one contiguous run of `image_token`
-    (one image): transformers' get_block_sequence_ids_for_mask rule, in ops of static shape
-    (no torch.where, no `~`: the CPU lazy backend runs those eagerly)."""
+    (one image): transformers' get_block_sequence_ids_for_mask rule."""
+    group = image_run_ids(input_ids, image_token)
+    return (group[:, :, None] == group[:, None, :]) & (group[:, :, None] > 0)
+
+
+def image_run_ids(input_ids: torch.Tensor, image_token: int) -> torch.Tensor:
+    """[batch, length]: 1, 2, ... for each contiguous run of `image_token` (one image), 0 off the
+    images (the training mask's runs, and hputrain generate's Gemma 3 prefill); in ops of static
+    shape (no torch.where, no `~`: the CPU lazy backend runs those eagerly)."""
     image = (input_ids == image_token).long()
     before = torch.cat([torch.zeros_like(image[:, :1]), image[:, :-1]], dim=-1)
     starts = (image - before).clamp(min=0)
-    group = starts.cumsum(-1) * image  # 1, 2, ... per run; 0 off the images
-    return (group[:, :, None] == group[:, None, :]) & (group[:, :, None] > 0)
+    return starts.cumsum(-1) * image
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
