@@ -17,13 +17,13 @@ from .test_distributed import hputrain_launch
 SCRIPT = str(Path(__file__).parent / "expert_parallel_script.py")
 
 
-# -- the fixed send buffer -------------------------------------------------------------------------
+# -- the send buffers ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("routing", ["random", "one expert", "one peer"])
 @pytest.mark.parametrize("experts,ranks,k", [(8, 2, 2), (8, 4, 2), (8, 8, 2), (4, 2, 3)])
-def test_send_buffer_rows_do_not_depend_on_the_routing(routing, experts, ranks, k):
-    """Every routing of T tokens gets the same buffer (ranks × T·min(k, E/ranks) rows); each pair
-    its own row, inside its owner's block, inside its token's min(k, E/ranks) rows."""
+def test_each_pair_gets_its_own_place_in_its_peers_block(routing, experts, ranks, k):
+    """Every pair's peer is its expert's owner, and its place among the pairs sent there is its
+    rank in pair order: places 0..count-1 per peer, distinct, whatever the routing."""
     tokens, local = 5, experts // ranks
     g = torch.Generator().manual_seed(0)
     if routing == "random":
@@ -35,14 +35,43 @@ def test_send_buffer_rows_do_not_depend_on_the_routing(routing, experts, ranks, 
     else:  # as many choices as fit on peer 0
         index = torch.stack([torch.cat([torch.randperm(local, generator=g)[:min(k, local)],
                                         local + torch.arange(k - min(k, local))]) for _ in range(tokens)])
-    slots, capacity = dispatch_slots(index, local, ranks)
-    assert capacity == tokens * min(k, local) and slots.shape == index.shape
-    assert slots.unique().numel() == tokens * k  # no two pairs share a row
-    peer = index // local
-    assert torch.equal(slots // capacity, peer)  # in the owner's block
-    within = slots % capacity
-    per_token = min(k, local)
-    assert torch.equal(within // per_token, torch.arange(tokens).unsqueeze(1).expand(tokens, k))
+    peer, place, counts = dispatch_slots(index, local, ranks)
+    assert torch.equal(peer, index // local)
+    assert counts.tolist() == [int((peer == p).sum()) for p in range(ranks)]
+    for p in range(ranks):
+        assert place[peer == p].tolist() == list(range(int(counts[p])))  # pair order, from 0
+
+
+def test_placing_the_pairs_reads_nothing_back():
+    """The dispatch runs on the device alone: F.one_hot (which read the largest expert number back,
+    `.item()`, to check it against the classes) is gone, and nothing else reads a value."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    index = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(6)])
+    with Reads() as seen:
+        dispatch_slots(index, 2, 4)
+    assert not [op for op in seen.ops if op.startswith(("_local_scalar_dense", "one_hot", "max", "min"))], seen.ops
+
+
+def test_the_buffers_are_sized_for_the_average_pair_count():
+    """C = min(ceil(1.25·T·k/N), T·min(k, E/N)) rows a peer: N·C is 1.25·T·k (or the worst case,
+    when that is smaller); a group of one exchanges its T·k pairs."""
+    from hputrain.execution.experts.sizes import expert_sizes
+
+    qwen = expert_sizes(4096, 8, 128, 8)  # Qwen3-30B-A3B, EP 8 (docs/moe.md)
+    assert (qwen.capacity, qwen.exchange_rows, qwen.worst_rows_per_peer) == (5120, 40960, 32768)
+    assert qwen.exchange_rows / qwen.pairs == 1.25
+    assert expert_sizes(10, 2, 2, 2).capacity == 10  # T·min(k, E/N) = 10 < ceil(1.25·T·k/N) = 13
+    assert expert_sizes(10, 2, 8, 1).exchange_rows == 0 and expert_sizes(10, 2, 8, 1).expert_rows == 20
 
 
 # -- the one-line refusals (item 9) ----------------------------------------------------------------
@@ -227,7 +256,7 @@ def test_train_command_resumes_an_fsdp_checkpoint_with_the_experts_split(tmp_pat
 # -- the forward on ranks simulated by threads -------------------------------------------------------
 
 class _Threads:
-    """`ranks` ranks in threads of this process: all-to-all and the token counts' all-gather
+    """`ranks` ranks in threads of this process: all-to-all and the exchange's sizes agreed
     through shared lists and a barrier (what Gloo does between processes)."""
 
     def __init__(self, ranks: int) -> None:
@@ -250,45 +279,240 @@ class _Threads:
         return received
 
 
-@pytest.mark.parametrize("family,ranks,tokens,routing,inner", [
-    ("mixtral", 2, (5, 3), "random", "hputrain"),
-    ("mixtral", 8, (4,) * 8, "random", "grouped_mm"),
-    ("gpt_oss", 4, (6, 2, 4, 3), "random", "grouped_mm"),
-    ("qwen3_moe", 2, (4, 4), "one expert", "hputrain"),
-    ("deepseek_v3", 2, (3, 5), "random", "hputrain"),
-    ("olmoe", 4, (2, 2, 2, 2), "random", "hputrain")],
+class _Uninitialised(torch.autograd.Function):
+    """The CPU's grouped_mm (CUDA's kernel on the CPU), with the rows it leaves unwritten, past
+    the last offset, set as uninitialised memory may hold them (torch.empty: measured garbage such
+    as -9e36 there): 1.0 in its output (finite, inside GPT-OSS's clamps, which would stop a NaN's
+    gradient) and NaN in backward's input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, kernel):
+        with torch.enable_grad():
+            x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            out = kernel(x_, weight_, offsets)
+        ctx.kept = (x_, weight_, out, int(offsets[-1]))
+        return out.detach().clone().index_fill_(0, torch.arange(int(offsets[-1]), x.size(0)), 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_, weight_, out, end = ctx.kept
+        grad_x, grad_weight = torch.autograd.grad(out, (x_, weight_), grad)
+        grad_x = grad_x.clone().index_fill_(0, torch.arange(end, grad_x.size(0)), float("nan"))
+        return grad_x, grad_weight, None, None
+
+
+def uninitialised_cpu_kernel():
+    """kernels._Kernels of a CPU accelerator whose grouped_mm leaves garbage where torch's leaves
+    its rows unwritten (_Uninitialised)."""
+    from hputrain.accelerators.cpu import CPUAccelerator
+    from hputrain.execution import kernels
+
+    class Accelerator(CPUAccelerator):
+        def grouped_mm_kernel(self, x, weight):
+            kernel = super().grouped_mm_kernel(x, weight)
+            assert kernel is not None  # eager mode: torch's grouped_mm
+            return lambda x, weight, offsets: _Uninitialised.apply(x, weight, offsets, kernel)
+
+    return kernels._Kernels(Accelerator("eager"), {})
+
+
+def pick(routing, experts, k, local, tokens, g):
+    if routing == "one expert":
+        return torch.stack([torch.tensor([0, 1 + i % (experts - 1)]) for i in range(tokens)])
+    if routing == "one peer":  # every choice on rank 0's experts: past its block's C rows
+        return torch.stack([torch.randperm(local, generator=g)[:k] for _ in range(tokens)])
+    return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("family,ranks,tokens,routing,inner,kernel", [
+    ("mixtral", 2, (5, 3), "random", "hputrain", None),
+    ("mixtral", 8, (4,) * 8, "random", "grouped_mm", None),
+    ("gpt_oss", 4, (6, 2, 4, 3), "random", "grouped_mm", None),
+    ("gpt_oss", 2, (6, 4), "random", "hputrain", "cpu grouped_mm"),
+    ("gpt_oss", 2, (5, 3), "one peer", "hputrain", "cpu grouped_mm"),
+    ("gpt_oss", 2, (5, 3), "random", "eager", None),
+    ("mixtral", 2, (6, 6), "one peer", "hputrain", None),
+    ("qwen3_moe", 2, (4, 4), "one expert", "hputrain", None),
+    ("deepseek_v3", 2, (3, 5), "random", "hputrain", None),
+    ("olmoe", 4, (2, 2, 2, 2), "random", "hputrain", None)],
     ids=["mixtral ep2 uneven static", "mixtral ep8 one expert a rank", "gpt_oss ep4 biases",
+         "gpt_oss ep2 biases through the cpu grouped_mm", "gpt_oss ep2 overflow through the cpu grouped_mm",
+         "gpt_oss ep2 transformers eager", "mixtral ep2 overflow static",
          "qwen3_moe ep2 every token to expert 0", "deepseek_v3 ep2", "olmoe ep4"])
-def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, ranks, tokens, routing, inner):
+def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, ranks, tokens, routing, inner,
+                                                          kernel):
     """Each rank's experts module holds its E/ranks experts; tokens (a different count per rank)
-    go to their experts' ranks and back, computed there by hputrain's static experts or
-    transformers' grouped_mm: the outputs and the gradients of the inputs, the router weights and
-    each rank's experts equal the whole module's (transformers' grouped_mm) within 1e-5."""
+    go to their experts' ranks and back, computed there by hputrain's static experts (the
+    fixed-shape form, or torch's grouped_mm as on CUDA, whose unwritten rows hold NaN here),
+    transformers' grouped_mm or its eager loop (GPT-OSS's one_hot took no empty slot): the
+    outputs and the gradients of the inputs, the router weights and each rank's experts (GPT-OSS's
+    biases too) equal the whole module's (transformers' grouped_mm) within 1e-5. "one peer" sends
+    every pair to rank 0's experts, past its block: a second exchange carries them."""
+    from hputrain.execution.experts import parallel
+    from hputrain.execution.experts.sizes import peer_capacity
+
+    whole = whole_experts(family)
+    case = Case.random(whole, tokens, routing)
+    overflows = parallel.overflow_exchanges()
+    results = in_threads(monkeypatch, whole, case, inner, uninitialised_cpu_kernel if kernel else None)
+    local = whole.num_experts // len(tokens)
+    capacity = peer_capacity(max(tokens), case.k, whole.num_experts, len(tokens))
+    most = max(int(torch.bincount(i.reshape(-1) // local, minlength=len(tokens)).max()) for i in case.index)
+    assert (parallel.overflow_exchanges() > overflows) == (most > capacity)  # a second exchange
+    assert most > capacity or routing != "one peer"
+    assert_equals_the_whole(whole, case, results)
+
+
+def test_under_autocast_the_pairs_travel_in_bf16(monkeypatch):
+    """bf16-mixed: the pairs are sent in the dtype the static experts compute in (half a float32
+    residual stream's bytes), the outputs come back as computed, and the result is one process's
+    static experts' under the same autocast, within bf16's rounding."""
+    from hputrain.execution.experts import experts_forward
+
+    whole = whole_experts("mixtral")
+    case, sent = Case.random(whole, (6, 4), "random"), []
+
+    def autocast(rank):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    results = in_threads(monkeypatch, whole, case, "hputrain", around=autocast, sent=sent)
+    assert {dtype for _, shape, dtype in sent if len(shape) == 2} == {torch.bfloat16}
+    for rank, result in enumerate(results):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts_forward(whole, case.inputs[rank], case.index[rank], case.weights[rank])
+        assert result.out.dtype == out.dtype == torch.float32
+        torch.testing.assert_close(result.out, out.detach(), rtol=2e-2, atol=2e-2)
+
+
+class _Saved:
+    """The bytes of the floating-point activations autograd keeps (parameters, inputs and their
+    views left out; tensors sharing storage counted once): saved_tensors_hooks, in this thread."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def __enter__(self):
+        def pack(tensor):
+            base = tensor if tensor._base is None else tensor._base
+            if tensor.is_floating_point() and not (base.is_leaf and base.requires_grad):
+                storage = tensor.untyped_storage()
+                self.storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def test_the_static_experts_cost_what_they_compute_at_4096_tokens(monkeypatch):
+    """Qwen3-30B-A3B's proportions in small (top-k over the expert-parallel size 1, 4 experts a
+    rank; docs/moe.md has its figures), T = 4096 tokens a rank routed at random, on 4 ranks with
+    the fixed-shape products (Gaudi's form): the rows each all-to-all moves, the rows the products
+    multiply (their FLOPs over 2·in·out, forward and backward) and the bytes kept for backward,
+    measured, are those sizes.py gives, and against T·k pairs (and the bytes transformers'
+    grouped_mm keeps in one process for the same tokens) at most 1.25 times plus one tile a local
+    expert."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hputrain.execution.experts.sizes import expert_sizes
+
+    tokens, ranks, k, experts, hidden, inner = 4096, 4, 4, 16, 32, 16
+    whole = whole_experts("qwen3_moe", num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=inner)
+    case = Case.random(whole, (tokens,) * ranks, "random")
+    sizes = expert_sizes(tokens, k, experts, ranks)
+    flops, saved, sent = [FlopCounterMode(display=False) for _ in range(ranks)], [_Saved() for _ in range(ranks)], []
+
+    def around(rank):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(flops[rank])
+        stack.enter_context(saved[rank])
+        return stack
+
+    in_threads(monkeypatch, whole, case, "hputrain", around=around, sent=sent)
+    hidden_rows = {shape[0] for _, shape, _ in sent if len(shape) == 2}  # the hidden states' buffers
+    assert hidden_rows == {sizes.exchange_rows} and sizes.exchange_rows / sizes.pairs == 1.25
+    per_row = 2 * hidden * 2 * inner + 2 * inner * hidden  # the up and down products, forward
+    for rank in range(ranks):
+        multiplied = flops[rank].get_total_flops() / (3 * per_row)  # and backward's two
+        assert multiplied == sizes.tiled_rows
+    bound = 1.25 + sizes.local_experts * sizes.tile / sizes.pairs
+    assert sizes.tiled_rows / sizes.pairs <= bound
+    whole.config._experts_implementation = "grouped_mm"  # one process, the same tokens, no padding
+    with _Saved() as reference:
+        x, w = case.inputs[0].clone().requires_grad_(), case.weights[0].clone().requires_grad_()
+        whole(x, case.index[0], w)
+    assert reference.bytes == pytest.approx(4 * sizes.minimum_saved(hidden, inner), rel=0.03)
+    for rank in range(ranks):
+        assert saved[rank].bytes == pytest.approx(4 * sizes.saved(hidden, inner), rel=0.03)
+        assert saved[rank].bytes / reference.bytes <= bound
+
+
+def whole_experts(family, dtype=torch.float32, **config):
+    """The first experts module of a tiny `family` model (`config`: other sizes), every parameter
+    random (biases too: GPT-OSS's start at zero)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config_for(family, **config))
+    whole = next(m for m in model.modules() if hasattr(m, "_is_expert_parallel"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    return whole.to(dtype)
+
+
+class Case:
+    """Each rank's inputs, routing and router weights."""
+
+    def __init__(self, inputs, index, weights) -> None:
+        self.inputs, self.index, self.weights = inputs, index, weights
+        self.k = index[0].shape[1]
+
+    @classmethod
+    def random(cls, whole, tokens, routing, seed=2):
+        g = torch.Generator().manual_seed(seed)
+        experts, k = whole.num_experts, whole.config.num_experts_per_tok
+        local = experts // len(tokens)
+        return cls([torch.randn(t, whole.config.hidden_size, generator=g) for t in tokens],
+                   [pick(routing, experts, k, local, t, g) for t in tokens],
+                   [torch.rand(t, k, generator=g) for t in tokens])
+
+
+def in_threads(monkeypatch, whole, case, inner, kernels=None, around=None, device="cpu", sent=None):
+    """expert_parallel_forward on len(case.inputs) ranks in threads, each with its share of
+    `whole`'s experts (`kernels()`: the accelerator's kernels they run on; `around(rank)`: a
+    context the rank's forward and backward run in; `sent`: a list that gets each all-to-all's
+    (rank, the shape and dtype it sent)): each rank's output and gradients."""
+    import contextlib
     import copy
     import threading
     from types import SimpleNamespace
-
-    import transformers
 
     from hputrain.distributed.expert_parallel import SHARD_ATTRIBUTE, ExpertShard
     from hputrain.execution.experts import parallel
     from hputrain.execution.experts.parallel import expert_parallel_forward
 
-    config = tiny_moe_config_for(family)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    whole = next(m for m in model.modules() if hasattr(m, "_is_expert_parallel"))
-    experts, k, hidden = whole.num_experts, config.num_experts_per_tok, config.hidden_size
-    g = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(t, hidden, generator=g) for t in tokens]
-    if routing == "one expert":
-        index = [torch.stack([torch.tensor([0, 1 + i % (experts - 1)]) for i in range(t)]) for t in tokens]
-    else:
-        index = [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]) for t in tokens]
-    weights = [torch.rand(t, k, generator=g) for t in tokens]
-    threads, local = _Threads(ranks), experts // ranks
-    monkeypatch.setattr(parallel, "_exchange", lambda tensor, send, receive, group: threads.exchange(group, tensor, send, receive))
-    monkeypatch.setattr(parallel, "_token_counts", lambda count, group: threads.share(group, count))
+    ranks = len(case.inputs)
+    threads, local = _Threads(ranks), whole.num_experts // ranks
+
+    def exchange(tensor, send, receive, group):
+        if sent is not None:
+            sent.append((group, tuple(tensor.shape), tensor.dtype))
+        return threads.exchange(group, tensor, send, receive)
+
+    monkeypatch.setattr(parallel, "_exchange", exchange)
+    monkeypatch.setattr(parallel, "_agree", lambda count, most, group: tuple(
+        max(values) for values in zip(*threads.share(group, (count, int(most))))))
     results = [None] * ranks
 
     def run(rank):
@@ -296,10 +520,14 @@ def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, r
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone()))
         module.num_experts, module._is_expert_parallel = local, True
-        setattr(module, SHARD_ATTRIBUTE, ExpertShard(experts, ranks, rank, rank, rank, inner))
-        x, w = inputs[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
-        out = expert_parallel_forward(module, x, index[rank], w)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        if kernels:
+            module._hputrain_kernels = kernels()
+        setattr(module, SHARD_ATTRIBUTE, ExpertShard(whole.num_experts, ranks, rank, rank, rank, inner))
+        x = case.inputs[rank].to(device, module.down_proj.dtype).requires_grad_()
+        w = case.weights[rank].to(device, module.down_proj.dtype).requires_grad_()
+        with around(rank) if around else contextlib.nullcontext():
+            out = expert_parallel_forward(module, x, case.index[rank].to(device), w)
+            out.backward(torch.linspace(-1, 1, out.numel(), device=device, dtype=out.dtype).view_as(out))
         results[rank] = SimpleNamespace(out=out.detach(), x=x.grad, w=w.grad,
                                         params={n: p.grad for n, p in module.named_parameters()})
 
@@ -307,25 +535,33 @@ def test_expert_parallel_forward_equals_the_whole_experts(monkeypatch, family, r
     for worker in workers:
         worker.start()
     for worker in workers:
-        worker.join(timeout=60)
+        worker.join(timeout=120)
     assert all(result is not None for result in results)
+    return results
+
+
+def assert_equals_the_whole(whole, case, results, tol=1e-5):
+    """Each rank's output and input gradients are the whole module's (transformers' grouped_mm)
+    on its tokens, and the ranks' expert gradients, put together, the whole module's."""
     whole.config._experts_implementation = "grouped_mm"
-    for rank in range(ranks):
-        x, w = inputs[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
-        out = whole(x, index[rank], w)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        torch.testing.assert_close(results[rank].out, out.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(results[rank].x, x.grad, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(results[rank].w, w.grad, rtol=1e-5, atol=1e-5)
+    device, dtype = whole.down_proj.device, whole.down_proj.dtype
+    for rank, result in enumerate(results):
+        x = case.inputs[rank].to(device, dtype).requires_grad_()
+        w = case.weights[rank].to(device, dtype).requires_grad_()
+        out = whole(x, case.index[rank].to(device), w)
+        out.backward(torch.linspace(-1, 1, out.numel(), device=device, dtype=out.dtype).view_as(out))
+        torch.testing.assert_close(result.out, out.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(result.x, x.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(result.w, w.grad, rtol=tol, atol=tol)
     for name, param in whole.named_parameters():  # the whole module's gradient: every rank's tokens
-        split = torch.cat([results[rank].params[name] for rank in range(ranks)])
-        torch.testing.assert_close(split, param.grad, rtol=1e-5, atol=1e-5)
+        split = torch.cat([result.params[name] for result in results])
+        torch.testing.assert_close(split, param.grad, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def tiny_moe_config_for(family):
+def tiny_moe_config_for(family, **config):
     from .moe_fixtures import tiny_moe_config
 
-    return tiny_moe_config(family)
+    return tiny_moe_config(family, **config)
 
 
 # -- loading: each rank places and reads only its experts (issue 47 item 1) -------------------------

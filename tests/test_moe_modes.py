@@ -228,3 +228,54 @@ def test_histc_counts_integers_and_grouped_mm_runs_per_group():
     want = torch.cat([x[0:3] @ w[0], x[3:9] @ w[2], x[9:12] @ w[3]])
     kernel = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     torch.testing.assert_close(lazy(lambda x, w, o: kernel(x, w, offs=o).cpu(), x, w, offsets), want)
+
+
+# -- expert parallelism in lazy mode (issue 47, item 4) ---------------------------------------------
+
+@lazy_rehearses_hf_models
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow), "gpt_oss"])
+def test_lazy_expert_parallelism_compiles_once_and_reads_nothing(family):
+    """Expert parallelism rehearsed on the CPU's lazy backend, which runs one process: a group of
+    one rank (--expert-parallel-size N's layout for N = 1, every expert local), so the whole
+    expert-parallel forward runs: pairs placed in their peer's block, the all-to-all's place (a
+    group of one keeps its buffer), the static experts on the received rows with their empty
+    slots masked (GPT-OSS's biases), the combine, and backward through all of it. Every step routes
+    differently; after the first two no graph is compiled, and no value is read back (the
+    backend's own reads, aten::_local_scalar_dense, included: F.one_hot read its largest class,
+    and the token counts were gathered every layer). A group of more ranks adds per MoE layer
+    the exchange's sizes (docs/moe.md), which one process cannot rehearse."""
+    from torch._lazy import metrics
+
+    from hputrain.distributed.expert_parallel import ExpertLayout, split_experts
+    from hputrain.execution import kernels
+    from hputrain.execution.experts import parallel
+
+    from .moe_fixtures import tiny_moe_config
+
+    accelerator = CPUAccelerator("lazy")
+    device = accelerator.setup()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family))
+    kernels.substitute(model, accelerator, True)
+    parallel.register()
+    split = split_experts(model, ExpertLayout(1, 0, None, None, None, None))
+    assert split and all(m.config._experts_implementation == parallel.EXPERT_PARALLEL
+                         for m in model.modules() if hasattr(m, "_is_expert_parallel"))
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    compiles, reads = [], HostReads(locate=lambda name: name)
+    local_reads = metrics.counter_value("aten::_local_scalar_dense") or 0
+    with reads:
+        reads.in_step = True
+        for _ in range(STEPS):
+            ids = torch.randint(4, model.config.vocab_size, (2, 32), generator=g).to(device)
+            with accelerator.forward_context():
+                model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.mark_step()
+            compiles.append(accelerator.graph_compiles())
+    assert compiles[WARMUP:] == [compiles[WARMUP - 1]] * (STEPS - WARMUP), compiles
+    assert reads.count == 0, reads.where
+    assert (metrics.counter_value("aten::_local_scalar_dense") or 0) == local_reads

@@ -75,10 +75,9 @@ def test_expert_parallel_plans_e_over_n_experts_a_rank_and_the_forwards_own_buff
                                                                                      capsys):
     """--expert-parallel-size 2 on 2 ranks: 4 of the 8 experts a rank (their AdamW moments
     half of one process's), and the all-to-all buffer of the expert-parallel forward
-    (execution/experts/parallel.py's dispatch_slots: its rows per peer, for this T and k)."""
-    import torch
-
-    from hputrain.execution.experts.parallel import dispatch_slots
+    (execution/experts/sizes.py's peer_capacity, which the forward sizes its blocks by: its rows
+    per peer, for this T and k)."""
+    from hputrain.execution.experts.sizes import peer_capacity
 
     folder = moe_folders("mixtral")
     assert main(["plan", "--json", *flags(folder, "--devices", "2")]) == 0
@@ -88,8 +87,7 @@ def test_expert_parallel_plans_e_over_n_experts_a_rank_and_the_forwards_own_buff
     moe = split["moe"]
     assert (moe["expert_parallel_size"], moe["experts_per_rank"]) == (2, 4)
     tokens, k, hidden = 4 * 128, moe["top_k"], 32
-    index = torch.stack([torch.randperm(8)[:k] for _ in range(tokens)])
-    _, capacity = dispatch_slots(index, 4, 2)
+    capacity = peer_capacity(tokens, k, 8, 2)
     assert moe["all_to_all_rows_per_peer"] == capacity
     assert moe["all_to_all_send_bytes_per_layer"] == 2 * capacity * hidden * 4
     assert moe["expert_rows_per_layer"] == 2 * capacity  # every peer's block, received

@@ -11,9 +11,10 @@ The layout (`moe_layout`), read from the prepared model's experts modules (trans
   with its (2I) gate-and-up intermediate (I the expert's intermediate size) and its (I) gated
   one, kept for backward; the trace counts them as the experts implementation allocates them.
 - expert parallelism (--expert-parallel-size N): E/N experts a rank, and per MoE layer the
-  all-to-all's send and receive buffers, whose shapes do not depend on the routing: to each of
-  the N peers, T*min(k, E/N) rows of the hidden size (a token's k experts meet at most
-  min(k, E/N) of them on one peer).
+  all-to-all's buffers, whose shapes do not depend on the routing: to each of the N peers
+  C = min(ceil(1.25*T*k/N), T*min(k, E/N)) rows of the hidden size, 1.25 times the pairs a rank
+  receives on average (execution/experts/sizes.py; a rarer second exchange carries what does not
+  fit), and what the experts keep for backward on those rows (the fixed-shape form's tiles).
 
 The trace itself: `torch._grouped_mm`'s shape function (its meta kernel) accepts only the
 bfloat16 inputs CUDA's kernel takes, where the CPU's kernel runs fp32 too (what transformers'
@@ -44,7 +45,7 @@ class MoELayout:
     tokens: int = 0
     """Tokens of a micro-batch on one rank (T)."""
     element_bytes: int = 4
-    """Of the hidden states exchanged: the residual stream's dtype (the weights')."""
+    """Of the residual stream (the weights' dtype)."""
     compute_bytes: int = 4
     """Of the experts' products: the compute dtype (bf16 under bf16-mixed's autocast)."""
 
@@ -59,31 +60,42 @@ class MoELayout:
         return self.experts // self.expert_parallel
 
     @property
+    def sizes(self):
+        """The layer's rows (execution/experts/sizes.py): buffers, received rows, tiles."""
+        from ..execution.experts.sizes import expert_sizes
+
+        return expert_sizes(self.tokens, self.top_k, self.experts, self.expert_parallel)
+
+    @property
     def rows_per_peer(self) -> int:
         """Rows of the hidden size sent to (and received from) each peer, per MoE layer."""
-        return self.tokens * min(self.top_k, self.experts_per_rank)
+        return self.sizes.capacity if self.expert_parallel > 1 else 0
 
     @property
     def all_to_all_bytes(self) -> int:
-        """One MoE layer's send buffer (its receive buffer is as large), over all peers."""
-        if self.expert_parallel == 1:
-            return 0
-        return self.expert_parallel * self.rows_per_peer * self.hidden * self.element_bytes
+        """One MoE layer's send buffer (its receive buffer is as large), over all peers: in the
+        compute dtype, which the pairs travel in (execution/experts/parallel.py)."""
+        return self.sizes.exchange_rows * self.hidden * self.compute_bytes
 
     @property
     def expert_rows(self) -> int:
         """Rows a rank's experts run on, per MoE layer: the T·k pairs, or under expert
-        parallelism every peer's fixed block of rows (N·T·min(k, E/N))."""
-        if self.expert_parallel == 1:
-            return self.tokens * self.top_k
-        return self.expert_parallel * self.rows_per_peer
+        parallelism every peer's block of rows (N·C)."""
+        return self.sizes.expert_rows
 
     @property
     def intermediate_bytes(self) -> int:
         """One MoE layer's (rows, 2I) gate-and-up intermediate, in the compute dtype."""
         return self.expert_rows * 2 * self.intermediate * self.compute_bytes
 
+    @property
+    def saved_bytes(self) -> int:
+        """What one MoE layer's experts keep for backward, in the fixed-shape form (Gaudi's: its
+        tiles' rows; a grouped kernel keeps the rows alone)."""
+        return self.sizes.saved(self.hidden, self.intermediate) * self.compute_bytes
+
     def as_json(self) -> dict:
+        sizes = self.sizes
         return {"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
                 "parameters": self.parameters, "expert_parameters": self.expert_parameters,
                 "active_parameters": self.active_parameters,
@@ -93,13 +105,18 @@ class MoELayout:
                 "all_to_all_send_bytes_per_layer": self.all_to_all_bytes,
                 "all_to_all_receive_bytes_per_layer": self.all_to_all_bytes,
                 "expert_rows_per_layer": self.expert_rows,
-                "intermediate_bytes_per_layer": self.intermediate_bytes}
+                "intermediate_bytes_per_layer": self.intermediate_bytes,
+                "tile_rows": sizes.tile, "tiles_per_layer": sizes.tiles,
+                "saved_bytes_per_layer": self.saved_bytes,
+                "minimum_saved_bytes_per_layer": sizes.minimum_saved(self.hidden, self.intermediate)
+                * self.compute_bytes}
 
     def describe(self) -> str:
         """One line for the plan's header."""
         def millions(n: int) -> str:
             return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,}"
 
+        sizes = self.sizes
         line = (f"experts: {self.layers} MoE layer{'s' if self.layers > 1 else ''} of "
                 f"{self.experts} experts, top-{self.top_k}; {millions(self.parameters)} "
                 f"parameters stored ({millions(self.expert_parameters)} in experts), "
@@ -110,7 +127,13 @@ class MoELayout:
             size = self.all_to_all_bytes
             line += (f"; expert-parallel {self.expert_parallel}: {self.experts_per_rank} experts "
                      f"a rank, all-to-all {self.rows_per_peer:,} rows of {self.hidden} to each "
-                     f"peer ({_size(size)} sent and {_size(size)} received a layer)")
+                     f"peer ({_size(size)} sent and {_size(size)} received a layer, "
+                     f"{sizes.exchange_rows / max(1, sizes.pairs):.2f}x the {sizes.pairs:,} pairs a rank "
+                     f"receives on average)")
+        if self.tokens:
+            line += (f"; kept for backward {_size(self.saved_bytes)} a layer ({sizes.tiles} tiles of "
+                     f"{sizes.tile} rows; {_size(sizes.minimum_saved(self.hidden, self.intermediate) * self.compute_bytes)}"
+                     " for the T·k pairs alone)")
         return line
 
 
@@ -215,10 +238,10 @@ def grouped_mm_shapes():
 def expert_parallel_stand_ins():
     """For the time of a trace on the fake process group (rehearsal/plan.py): distributed/
     expert_parallel.py's layout built by its own code on that group (its mesh made outside the
-    fake mode, which cannot read the mesh's rank tensor; its Gloo groups for the token counts made
-    on the fake backend, as no Gloo group can join a fake world), and execution/experts/
-    parallel.py's exchange of every rank's token count answered by the plan's assumption: every
-    rank's micro-batch as large as this one's. The all-to-all's buffers are then the forward's
+    fake mode, which cannot read the mesh's rank tensor; its Gloo groups made on the fake
+    backend, as no Gloo group can join a fake world), and execution/experts/parallel.py's
+    agreement on the exchange's sizes answered by the plan's assumption: every rank's micro-batch
+    as large as this one's, its routing balanced. The all-to-all's buffers are then the forward's
     own, allocated as in the run (the fake backend moves nothing)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -226,8 +249,7 @@ def expert_parallel_stand_ins():
     from ..distributed import expert_parallel
     from ..execution.experts import parallel
 
-    layout, counts, new_group = (expert_parallel.ExpertLayout.build, parallel._token_counts,
-                                 dist.new_group)
+    layout, agree, new_group = (expert_parallel.ExpertLayout.build, parallel._agree, dist.new_group)
 
     def build(cls, size: int, device_type: str):
         with unset_fake_temporarily():
@@ -238,8 +260,10 @@ def expert_parallel_stand_ins():
                 dist.new_group = new_group
 
     expert_parallel.ExpertLayout.build = classmethod(build)
-    parallel._token_counts = lambda tokens, group: [tokens] * dist.get_world_size(group)
+    # every rank's micro-batch as large as this one's, and no rank past its block's rows: the
+    # first exchange alone (its second is the rare case of an unbalanced routing)
+    parallel._agree = lambda tokens, most, group: (tokens, 0)
     try:
         yield
     finally:
-        expert_parallel.ExpertLayout.build, parallel._token_counts = layout, counts
+        expert_parallel.ExpertLayout.build, parallel._agree = layout, agree

@@ -109,27 +109,40 @@ def _layout(module) -> tuple[bool, bool, bool, bool]:
 
 
 def local_experts(weights: ExpertWeights, x_sorted: torch.Tensor, offsets: torch.Tensor,
-                  accelerator=None) -> torch.Tensor:
+                  accelerator=None, padded: bool = False) -> torch.Tensor:
     """The experts on rows sorted by expert: `x_sorted` (S, hidden), `offsets` (E,) the end of
     each expert's rows -> (S, hidden), the grouped products on `accelerator`'s kernel (None: the
-    fixed-shape form). Rows past offsets[-1] are unspecified."""
+    fixed-shape form). `padded`: rows may lie past offsets[-1] (expert parallelism's empty
+    slots); they come out zero, and nothing of them reaches a gradient."""
     layouts: dict = {}  # both projections share the offsets, so the fixed-shape form's tiles
     mm = partial(grouped_mm, accelerator=accelerator, layouts=layouts)
-    expert = None
+    empty = expert = None
+    if padded:
+        # torch's grouped_mm leaves the rows past the last offset uninitialised, in its output and
+        # in backward's input gradient: they are zeroed after each product and its bias (as
+        # transformers' integrations/moe.py does), so that no garbage reaches the activation's
+        # backward, a bias's gradient (each row's bias is its expert's) or the next product
+        empty = (torch.arange(x_sorted.size(0), device=x_sorted.device) >= offsets[-1]).unsqueeze(1)
+        x_sorted = x_sorted.masked_fill(empty, 0.0)
     if weights.up_bias is not None or weights.down_bias is not None:
         # the bias of each row's expert, looked up as an embedding (the lazy backends index that
-        # way); padding rows borrow the last expert's
+        # way); padding rows borrow the last expert's, and are zeroed
         expert = expert_of_rows(offsets, x_sorted.size(0)).clamp(max=weights.num_experts - 1)
     hidden = mm(x_sorted, weights.up, offsets)
     if weights.up_bias is not None:
         hidden = hidden + F.embedding(expert, weights.up_bias)
-    hidden = weights.activate(hidden)
+    hidden = weights.activate(_zeroed(hidden, empty))
     out = mm(hidden, weights.down, offsets)
     if weights.down_bias is not None:
         out = out + F.embedding(expert, weights.down_bias)
+    out = _zeroed(out, empty)
     if weights.post_norm is not None:
         out = weights.post_norm(out)
     return out
+
+
+def _zeroed(rows: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    return rows if empty is None else rows.masked_fill(empty, 0.0)
 
 
 def combine(out_sorted: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor | None,

@@ -1,23 +1,33 @@
 """The expert-parallel experts forward, registered in transformers' ExpertsInterface as
 distributed.expert_parallel.EXPERT_PARALLEL (that module splits the experts and sets it).
 
-Each experts module holds E/N of the model's E experts (its ExpertShard says which); the router
-stays whole on every rank. For T tokens routed to k experts each:
+Each experts module holds L = E/N of the model's E experts (its ExpertShard says which); the router
+stays whole on every rank. For T tokens routed to k experts each (sizes.py has the arithmetic):
 
-1. dispatch: the T·k (token, expert) pairs are written into a send buffer of N·C rows, C = T·m
-   per peer, m = min(k, E/N): a token can pick at most m distinct experts of one peer, so the
-   pair (t, j) whose expert lives on peer p goes to row p·C + t·m + (how many of t's earlier
-   choices also went to p). The buffer's shape depends on T alone, never on the routing; its
-   empty rows carry the local expert id E/N (an empty slot, which transformers' implementations
-   skip as an expert-parallel sentinel).
-2. all-to-all (torch.distributed on the group's backend: Gloo, NCCL, HCCL), differentiable: its
-   backward is the reverse all-to-all.
-3. the local experts on the received rows, by the experts implementation the model had (H1's
+1. dispatch: each (token, expert) pair whose expert lives on peer p takes the next row of p's
+   block in the send buffer, in pair order (a running count per peer, on the device). Each block
+   has C = min(⌈1.25·T·k/N⌉, T·min(k, L)) rows, T the largest of the group's token counts, so
+   the buffer (N·C rows) is 1.25 times the pairs a rank receives on average, whatever the
+   routing. Empty rows carry the local expert id L: an empty slot, which every implementation
+   skips (or computes with weight 0: see `_local_experts`).
+2. how many rows any rank sends any peer, and the group's largest T: one all-reduce of two
+   numbers and one read back per MoE layer (its recompute reuses the forward's answer), the
+   price of buffers sized for the average: a buffer that needs no answer is sized for the worst
+   routing (N·T·min(k, L) rows, all of a peer's tokens on one rank's experts). A group of one
+   rank exchanges nothing and reads nothing.
+3. all-to-all (torch.distributed on the group's backend: Gloo, NCCL, HCCL), differentiable: its
+   backward is the reverse all-to-all. Pairs past a block's C go in a second exchange of
+   O rows a peer (the overflow rounded up to a power of two, a few shapes), taken only when some
+   rank has such pairs: nothing is dropped, and each use is counted (`overflow_exchanges`) and
+   said on stderr (the first, then every tenfold).
+4. the local experts on the received rows, by the experts implementation the model had (the
    static-shape one, transformers' grouped_mm, eager), each row to one expert, weight 1.
-4. all-to-all back, then on the source rank each pair's row is picked, weighted by the router and
-   summed over k, as transformers' implementations do: the router's gradient stays local.
+5. all-to-all back, then on the source rank each pair's row is picked, weighted by the router
+   and summed over k, as transformers' implementations do: the router's gradient stays local.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,6 +35,8 @@ import torch.nn.functional as F
 
 from ...distributed.expert_parallel import EXPERT_PARALLEL, SHARD_ATTRIBUTE
 from .forward import NAME, ExpertWeights, accelerator_of, combine, local_experts, route
+from .grouped import autocast_on
+from .sizes import peer_capacity
 
 
 class _AllToAll(torch.autograd.Function):
@@ -48,17 +60,69 @@ def _exchange(tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[i
     return out
 
 
-def dispatch_slots(top_k_index: torch.Tensor, local_experts: int, ranks: int) -> tuple[torch.Tensor, int]:
-    """(the send-buffer row of each (token, choice) pair, shape (T, k); the rows per peer C).
-    The buffer has ranks·C rows whatever the routing; distinct pairs get distinct rows."""
-    tokens, k = top_k_index.shape
-    per_token = min(k, local_experts)
-    capacity = tokens * per_token
-    peer = torch.div(top_k_index, local_experts, rounding_mode="floor")
-    chosen = F.one_hot(peer, ranks)  # (T, k, N)
-    earlier = (chosen.cumsum(1) - chosen).gather(2, peer.unsqueeze(-1)).squeeze(-1)
-    token = torch.arange(tokens, device=top_k_index.device).unsqueeze(1)
-    return peer * capacity + token * per_token + earlier, capacity
+def dispatch_slots(top_k_index: torch.Tensor, local_experts: int, ranks: int):
+    """Each (token, choice) pair's peer and its place among the pairs this rank sends that peer
+    (in pair order), both (T, k), and how many pairs go to each peer (N,): comparisons and a
+    running sum on the device (no one_hot, which reads the largest class back on some devices,
+    and no division, which the lazy backends run eagerly)."""
+    experts = top_k_index.long()
+    bounds = torch.arange(1, ranks, device=experts.device) * local_experts
+    peer = (experts.unsqueeze(-1) >= bounds).sum(-1)  # (T, k)
+    chosen = (peer.reshape(-1, 1) == torch.arange(ranks, device=experts.device)).long()  # (T·k, N)
+    place = ((chosen.cumsum(0) - chosen) * chosen).sum(1).view_as(peer)
+    return peer, place, chosen.sum(0)
+
+
+class _Decision:
+    """One layer's exchange sizes (C, O), kept for its recompute in backward."""
+
+    def __init__(self, capacity: int, overflow: int) -> None:
+        self.capacity, self.overflow = capacity, overflow
+
+
+def _sizes(self, shard, tokens: int, k: int, counts: torch.Tensor) -> _Decision:
+    """The exchange's rows per peer, agreed by the group: C from its largest token count, and O
+    (0 unless some rank has more than C pairs for a peer). A recompute in backward (activation
+    checkpointing) reuses its forward's: the same inputs, and no collective the others skip."""
+    kept = getattr(self, "_hputrain_exchange", None)
+    if kept is not None and torch._C._current_graph_task_id() != -1:
+        return kept
+    most_tokens, most_rows = _agree(tokens, counts.max(), shard.group)
+    capacity = peer_capacity(most_tokens, k, shard.num_experts, shard.size)
+    over = max(0, most_rows - capacity)
+    if over:
+        worst = most_tokens * min(k, shard.local_experts) - capacity
+        over = min(worst, max(8, 1 << (over - 1).bit_length()))
+        _count_overflow(shard, over, capacity)
+    self._hputrain_exchange = decision = _Decision(capacity, over)
+    return decision
+
+
+def _agree(tokens: int, most_rows: torch.Tensor, group) -> tuple[int, int]:
+    """(the largest token count, the most pairs one rank sends one peer) over the group: one
+    all-reduce of two numbers on the group's device, read back."""
+    both = torch.stack([most_rows.new_tensor(tokens), most_rows]).long()
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    most_tokens, most_rows = both.tolist()
+    return int(most_tokens), int(most_rows)
+
+
+_OVERFLOWS = {"exchanges": 0, "said": 0}
+
+
+def overflow_exchanges() -> int:
+    """How many second exchanges this process has run (see the module docstring, step 3)."""
+    return _OVERFLOWS["exchanges"]
+
+
+def _count_overflow(shard, rows: int, capacity: int) -> None:
+    _OVERFLOWS["exchanges"] += 1
+    count = _OVERFLOWS["exchanges"]
+    if shard.rank == 0 and count >= max(1, _OVERFLOWS["said"] * 10):
+        _OVERFLOWS["said"] = count
+        print(f"hputrain: expert parallelism: a rank had more pairs for one peer than the "
+              f"all-to-all's {capacity} rows; a second exchange of {rows} rows a peer carried "
+              f"them ({count} such exchange{'s' if count > 1 else ''} so far)", file=sys.stderr, flush=True)
 
 
 def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -67,49 +131,91 @@ def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     expert ids) with `top_k_weights`, computed with the experts spread over the group."""
     shard = getattr(self, SHARD_ATTRIBUTE)
     tokens, hidden = hidden_states.shape
-    k, local = top_k_index.shape[-1], shard.local_experts
-    slots, capacity = dispatch_slots(top_k_index, local, shard.size)
-    rows = slots.reshape(-1)
+    k, local, ranks = top_k_index.shape[-1], shard.local_experts, shard.size
+    peer, place, counts = dispatch_slots(top_k_index, local, ranks)
+    if ranks == 1:  # a group of one: nothing to exchange, nothing to agree on
+        sizes = _Decision(tokens * k, 0)
+    else:
+        sizes = _sizes(self, shard, tokens, k, counts)
+    capacity, over = sizes.capacity, sizes.overflow
+    first = (place < capacity).long()
+    # each pair's row: in the first buffer (N·C rows), else in the second (after it)
+    rows = first * (peer * capacity + place) + (1 - first) * (
+        ranks * capacity + peer * over + place - capacity)
+    rows = rows.reshape(-1)
+    total = ranks * (capacity + over)
+    # each pair written to its own row: an add into zeros (scatter_add, which the lazy backends
+    # hold in their graph and whose backward keeps only the rows, not the pairs as index_copy's)
     pairs = hidden_states.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden)
-    send = hidden_states.new_zeros(shard.size * capacity, hidden).index_copy(0, rows, pairs)
-    ids = torch.full((shard.size * capacity,), local, dtype=torch.long, device=hidden_states.device)
-    ids = ids.index_copy(0, rows, torch.remainder(top_k_index, local).reshape(-1).long())
-    send_sizes = [capacity] * shard.size
-    receive_sizes = [count * min(k, local) for count in _token_counts(tokens, shard.host_group)]
-    received = _AllToAll.apply(send, send_sizes, receive_sizes, shard.group)
-    received_ids = _exchange(ids, send_sizes, receive_sizes, shard.group)
+    pairs = pairs.to(_sent_dtype(shard, hidden_states))
+    send = pairs.new_zeros(total, hidden).scatter_add(0, rows.unsqueeze(1).expand(-1, hidden), pairs)
+    ids = torch.full((total,), local, dtype=torch.long, device=hidden_states.device)
+    ids = ids.scatter_add(0, rows, (top_k_index.long() - (peer + 1) * local).reshape(-1))
+    blocks = [capacity] * ranks + [over] * ranks * (over > 0)
+    received, received_ids = _swap(send, blocks, shard), _swap(ids, blocks, shard, False)
     computed = _local_experts(self, shard, received, received_ids)
-    back = _AllToAll.apply(computed, receive_sizes, send_sizes, shard.group)
-    per_pair = back.index_select(0, rows).view(tokens, k, hidden)
+    back = _swap(computed, blocks, shard)
+    per_pair = F.embedding(rows, back).view(tokens, k, hidden)
     weighted = per_pair * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)
 
 
-def _token_counts(tokens: int, host_group) -> list[int]:
-    """Every rank's token count in the expert-parallel group (a small Gloo all-gather on the
-    host): the rows each sends and receives. Equal ranks' batches give equal counts."""
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(host_group))]
-    dist.all_gather(counts, torch.tensor([tokens], dtype=torch.int64), group=host_group)
-    return [int(count) for count in counts]
+def _sent_dtype(shard, hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype the pairs travel in: under autocast, the one hputrain's experts compute in
+    (bf16: half the bytes of a float32 residual stream; each pair is cast before the sum of its
+    token's gradients, as one process casts each row), else the hidden states' own."""
+    device = hidden_states.device.type
+    if shard.inner == NAME and autocast_on(device):
+        return torch.get_autocast_dtype(device)
+    return hidden_states.dtype
+
+
+def _swap(tensor: torch.Tensor, blocks: list[int], shard, differentiable: bool = True) -> torch.Tensor:
+    """Block i of `tensor` (the first exchange's N blocks, then the second's, if any) to peer i
+    mod N, and the peers' blocks for this rank in their place: one all-to-all per exchange, of
+    the same sizes on every rank (agreed), so that what is sent equals what is received. A group
+    of one rank keeps its tensor."""
+    ranks = shard.size
+    if ranks == 1:
+        return tensor
+    out = []
+    for first in range(0, len(blocks), ranks):
+        sizes = blocks[first:first + ranks]
+        part = tensor.narrow(0, sum(blocks[:first]), sum(sizes))
+        if differentiable:
+            out.append(_AllToAll.apply(part, sizes, sizes, shard.group))
+        else:
+            out.append(_exchange(part, sizes, sizes, shard.group))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _local_experts(self, shard, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Each received row through its local expert (`ids`; the value local_experts: an empty
     slot, whose output is zero), by the implementation the model had: hputrain's static-shape
-    steps (forward.py: sort, grouped product, unsort), else transformers' function, which takes
-    ids past its experts as expert-parallel sentinels."""
+    steps (forward.py: sort, grouped product, unsort), else transformers' function. Its
+    grouped_mm and batched_mm take ids past the experts as expert-parallel sentinels; its eager
+    loops (GPT-OSS's among them) do not (one_hot over the local experts): they get empty slots on
+    the last local expert with routing weight 0."""
+    empty = ids >= shard.local_experts
     if shard.inner == NAME:
         routing = route(ids.unsqueeze(1), shard.local_experts)
         out = local_experts(ExpertWeights.of(self), F.embedding(routing.tokens, rows), routing.offsets,
-                            accelerator_of(self))
+                            accelerator_of(self), padded=True)
         out = combine(out, routing, None, 1)
     else:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         eager = type(self).forward.__wrapped__  # use_experts_implementation's wrapped forward
         compute = ALL_EXPERTS_FUNCTIONS.get_interface(shard.inner, eager)
-        out = compute(self, rows, ids.unsqueeze(1), rows.new_ones(ids.shape[0], 1))
-    return out.masked_fill((ids >= shard.local_experts).unsqueeze(1), 0.0)
+        weights = rows.new_ones(ids.shape[0], 1)
+        if shard.inner not in _TAKE_SENTINELS:
+            ids, weights = ids.clamp(max=shard.local_experts - 1), (~empty).to(rows.dtype).unsqueeze(1)
+        out = compute(self, rows, ids.unsqueeze(1), weights)
+    return out.masked_fill(empty.unsqueeze(1), 0.0)
+
+
+#: transformers' experts functions that skip expert-parallel sentinel ids themselves
+_TAKE_SENTINELS = ("grouped_mm", "batched_mm")
 
 
 def register() -> None:
