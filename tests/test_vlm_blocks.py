@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,8 +357,9 @@ def test_tiny_folder_blocks(processings, image_data, family):
         images = [processing.pixels(ref, b) for e in parts for ref, b in zip(e.images, e.buckets)]
         assert int(block["image_count"]) == len(images)
         slots = block["pixel_values"].reshape(data.slots, *blank.shape)
-        for k, pixels in enumerate(images):
-            assert torch.equal(slots[k], pixels["pixel_values"])
+        for k, pixels in enumerate(images):  # (Qwen: an image's own patches, then blank ones)
+            own = pixels["pixel_values"]
+            assert torch.equal(slots[k][:len(own)], own) and not slots[k][len(own):].any()
         assert all(torch.equal(slot, blank) for slot in slots[len(images):])
         for e, (at, n) in zip(parts, segments(block)):
             assert block["input_ids"][at:at + n].tolist() == e.input_ids[:n].tolist()
@@ -536,3 +538,82 @@ def test_resize_to_bucket_is_trainings_resize():
     image = Image.new("RGB", (90, 20))
     assert resize_to_bucket(image, fixed) is image and fixed.distortion(90, 20) == 0.0
     assert buckets.distortion(224, 56) == 0.0 and abs(buckets.distortion(112, 56) - 1.0) < 1e-9
+
+
+def crowded_data(folder: Path, many: int = 6) -> Path:
+    """12 rows of one image each, one row of `many` images, and a row whose image is 10:1 (200 x
+    20 pixels), as a data file in `folder`."""
+    import json
+
+    from PIL import Image
+
+    from .vlm_fixtures import QUESTIONS
+
+    (folder / "images").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    names = []
+    for i, (width, height) in enumerate([(60, 60), (120, 30), (30, 120), (80, 60)] * 2):  # bucket shapes
+        names.append(f"images/{i}.png")
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / names[-1])
+    Image.new("RGB", (200, 20), (200, 40, 40)).save(folder / "images" / "banner.png")
+    rows = [[names[i % len(names)]] for i in range(12)] + [names[:many], ["images/banner.png"]]
+    lines = [{"messages": [{"role": "user", "content": [{"type": "image"} for _ in used]
+                            + [{"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "a few words"}]}],
+              "images": used} for i, used in enumerate(rows)]
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_blank_slots_and_distorted_images_are_warned_of(processings, tmp_path):
+    """Issue 47, items 18 and 19: one row of 6 images sets K = 6 for every row (--no-packing), so
+    most slots are blank: the warning says so, what set K (that row) and what would lower it;
+    packed, the blocks share the slots and fewer are blank. An image of 10:1, which the tiny
+    folder's buckets (at most 4:1) squash by 150%, is warned of with its row."""
+    processing = processings("qwen2_5_vl")
+    path = crowded_data(tmp_path)
+    unpacked = load_image_data(str(path), "messages", processing, 256,
+                               options(packing=False, validation_split_percentage=0), rows=rows_of(path))
+    stats = unpacked.stats
+    assert stats.slots == 6 and stats.images == 19 and stats.blocks == 14
+    assert stats.padding_slot_fraction == pytest.approx((14 * 6 - 19) / (14 * 6))
+    blank, distorted = stats.warnings(packed=False)
+    assert re.fullmatch(
+        r"77% of the image slots are blank images, each run through the vision tower as a real one: 6 "
+        r"slots a block \(set by the 6 images of one example, --dataset \S+data.jsonl line 13\) for 1.4 "
+        r"images a block on average; leave out or split the 1 example with more than 2 images, and K can "
+        r"come down with them; or pack \(leave out --no-packing\): a block's slots then hold several "
+        r"examples' images", blank), blank
+    assert re.fullmatch(r"1 example has an image whose pixel bucket changes its aspect ratio by more than 10% "
+                        r"\(the most: 150%, --dataset \S+data.jsonl line 14\): give --image-buckets with a "
+                        r"size of that shape \(at most 11:1\), or crop such images", distorted), distorted
+    packed = load_image_data(str(path), "messages", processing, 256, options(validation_split_percentage=0),
+                             rows=rows_of(path))
+    assert packed.stats.padding_slot_fraction < stats.padding_slot_fraction
+    given = load_image_data(str(path), "messages", processing, 256,
+                            options(packing=False, validation_split_percentage=0, image_slots=9),
+                            rows=rows_of(path))
+    assert "(set by --image-slots) for 1.4 images a block on average; --image-slots 6 would do" \
+        in given.stats.warnings(packed=False)[0]
+
+
+@pytest.mark.slow
+def test_the_run_header_says_the_buckets_and_warns(vlm_folders, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """`hputrain train` on that data: the header's images line says the buckets, their token
+    counts and that they add no graph, the share of blank slots, and the two warnings."""
+    from hputrain.cli import main
+
+    monkeypatch.setenv("HPUTRAIN_ACCELERATOR", "cpu")
+    path = crowded_data(tmp_path / "data")
+    assert main(["train", "--model", str(vlm_folders("qwen2_5_vl")), "--dataset", str(path), "--output-dir",
+                 str(tmp_path / "run"), "--block-size", "256", "--no-packing", "--max-steps", "1",
+                 "--per-device-train-batch-size", "2", "--disable-tqdm", "--precision", "32",
+                 "--validation-split-percentage", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"hputrain: images: 11 pixel buckets \(112x112, ... from 56x224 to 224x56\) of 12 to 16 image "
+                     r"tokens, aspect ratios kept within 34% from 1:4 to 4:1; each in an image slot of 16 tokens, "
+                     r"so the buckets add no graph, 6 slots a block, 19 images, 77.4% of the slots padding", out), out
+    assert re.search(r"\nhputrain: warning: 77% of the image slots are blank images, .* line 13\)", out)
+    assert re.search(r"\nhputrain: warning: 1 example has an image whose pixel bucket changes its aspect ratio "
+                     r"by more than 10% \(the most: 150%, .* line 14\)", out)

@@ -107,7 +107,7 @@ def test_qwen_image_tokens_follow_the_image_processors_grid(processing, image_da
             out = reference(images=[image.resize((width, height), resample=3)], return_tensors="np")
             grid = out["image_grid_thw"][0]
             run = next(i for i in range(at + 1, len(ids)) if ids[i] != pad) - at - 1
-            assert run == int(np.prod(grid)) // reference.merge_size ** 2 == made.buckets.tokens
+            assert run == int(np.prod(grid)) // reference.merge_size ** 2 == made.buckets.counts[bucket]
             pixels = made.pixels(ref, bucket)
             np.testing.assert_array_equal(pixels["pixel_values"].numpy(), out["pixel_values"])
             assert pixels["image_grid_thw"].tolist() == grid.tolist()
@@ -429,21 +429,30 @@ def test_detect_image_format():
 
 # -- buckets -----------------------------------------------------------------------------------
 
-def test_qwen_default_buckets_have_equal_token_counts():
-    """The defaults within Qwen2.5-VL's own pixel limits: square, wide and tall of 144 tokens,
-    each left as it is by the image processor (its grid says so)."""
+def test_qwen_default_buckets_keep_aspect_ratios_within_10_percent():
+    """Qwen2.5-VL's own pixel limits (issue 47, item 18): the square of 256 tokens, then wide and
+    tall shapes of 75% to 100% of its tokens, so close in aspect ratio that every image from 1:10 to
+    10:1 is resized by at most 10% in its aspect ratio (3 buckets of 144 tokens squashed a 10:1
+    image to 4:1); each size is left as it is by the image processor (its grid says so), and its
+    tokens are the grid's. The tiny folders' limits (16 tokens at most) cannot keep 10%: the
+    nearest shapes there are, each of at least 12 tokens."""
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    for images in (Qwen2VLImageProcessorPil(), image_processor("qwen2_5_vl")):
-        buckets = make_buckets(QWEN, images)
-        assert len(buckets.sizes) == 3 and buckets.sizes[1][0] > buckets.sizes[1][1]
-        assert buckets.sizes[2] == buckets.sizes[1][::-1] and buckets.sizes[0][0] == buckets.sizes[0][1]
-        for width, height in buckets.sizes:
-            grid = images(images=[Image.new("RGB", (width, height))], return_tensors="np")["image_grid_thw"][0]
-            assert grid.tolist() == [1, height // 14, width // 14]
-            assert int(np.prod(grid)) // 4 == buckets.tokens
-    assert make_buckets(QWEN, Qwen2VLImageProcessorPil()).sizes == ((336, 336), (448, 252), (252, 448))
+    images = Qwen2VLImageProcessorPil()
+    buckets = make_buckets(QWEN, images)
+    assert buckets.sizes[0] == (448, 448) and buckets.tokens == 256 and len(buckets.sizes) == 31
+    assert min(buckets.counts) >= 0.75 * 256 and max(buckets.counts) == 256
+    ratios = np.exp(np.linspace(np.log(0.1), np.log(10), 2001))
+    worst = max(buckets.distortion(1000 * r, 1000) for r in ratios)
+    assert 0.09 < worst <= 0.10 and buckets.distortion(1000, 100) <= 0.10  # the 10:1 of the issue
+    assert buckets.kept_within() == (10.0, pytest.approx(worst, abs=2e-3))
+    for (width, height), count in zip(buckets.sizes, buckets.counts):
+        grid = images(images=[Image.new("RGB", (width, height))], return_tensors="np")["image_grid_thw"][0]
+        assert grid.tolist() == [1, height // 14, width // 14] and int(np.prod(grid)) // 4 == count
+    tiny = make_buckets(QWEN, image_processor("qwen2_5_vl"))
+    assert tiny.tokens == 16 and min(tiny.counts) >= 12 and (224, 56) in tiny.sizes and (56, 224) in tiny.sizes
+    assert "aspect ratios kept within 34% from 1:4 to 4:1" in tiny.describe()
 
 
 def test_nearest_aspect_ratio_and_resize():
@@ -456,7 +465,7 @@ def test_nearest_aspect_ratio_and_resize():
 
 
 @pytest.mark.parametrize("asked, match", [
-    (["56x56", "112x56"], r"different image-token counts \(56x56: 4, 112x56: 8\)"),
+    (["336x28"], r"336x28: an aspect ratio of 12.0:1, past the 11:1 Qwen2.5-VL's vision tower is planned for"),
     (["100x56"], r"100x56: .* multiples of 28 .* e.g. 112x56"),
     (["224x224"], r"224x224: 50176 pixels, outside the image processor's min_pixels..max_pixels \(3136..12544\)"),
     (["56by56"], r"'56by56' is not a size"),

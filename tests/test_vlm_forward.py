@@ -7,12 +7,14 @@ processor's), within float32 rounding. Also: Gemma 3's image tokens must see eac
 ways (the loss differs without it), its sliding layers keep their window in a block longer than
 it, and one example per row (unpacked) gives the same."""
 import copy
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from hputrain.data.batching import model_input_names
+from hputrain.errors import InputError
 from hputrain.data.vision.blocks import ImageCollator
 from hputrain.execution.precision import Precision
 from hputrain.execution.vision import image_model, static_batches, static_image_merge
@@ -26,8 +28,9 @@ Image = pytest.importorskip("PIL.Image")
 
 K = 2  # image slots per block
 SIZES = {"llava": [(28, 28)], "gemma3": [(28, 28)],
-         # equal patch counts (64), whole 56-pixel windows: the square and the wide bucket
-         "qwen2_5_vl": [(112, 112), (56, 224)]}
+         # (height, width): the square and the wide bucket, 64 patches each, whole 56-pixel
+         # windows; a bucket of fewer tokens (36 patches in a slot of 64), partial windows
+         "qwen2_5_vl": [(112, 112), (56, 224), (84, 84)]}
 TEXTS = [("what is in the picture", "a red square on a dark field"), ("describe it", "two stripes"),
          ("which colour", "mostly blue and a little grey"), ("and then", "nothing more at all")]
 
@@ -120,15 +123,22 @@ def block(family: Family, model, examples: list[dict], size: int) -> dict:
         out["position_ids"][..., at:at + n] = family.positions(model, example)
         out["seq_lens"][k] = n
         at += n
-        if "pixel_values" in example:
-            per = example["pixel_values"].shape[0] // len(example.get("image_grid_thw", example["pixel_values"]))
-            slots += [{key: example[key][i * per:(i + 1) * per] if key == "pixel_values" else example[key][i:i + 1]
+        if "pixel_values" in example:  # each image's patches (Qwen: its grid's count), or its image
+            grids = example.get("image_grid_thw")
+            sizes = grids.prod(-1).tolist() if grids is not None else [1] * len(example["pixel_values"])
+            starts = np.cumsum([0] + sizes).tolist()
+            slots += [{key: example[key][starts[i]:starts[i + 1]] if key == "pixel_values" else example[key][i:i + 1]
                        for key in ("pixel_values", "image_grid_thw") if key in example}
-                      for i in range(len(example.get("image_grid_thw", example["pixel_values"])))]
+                      for i in range(len(sizes))]
     out["position_ids"][..., at:] = torch.arange(size - at)
     assert len(slots) <= K
     out["image_count"] = torch.tensor(len(slots))
     slots += [family.blank()] * (K - len(slots))
+    if "image_grid_thw" in slots[0]:  # each slot the first bucket's patches, an image's own first
+        patches = family.blank()["pixel_values"].shape[0]
+        slots = [dict(slot, pixel_values=torch.nn.functional.pad(slot["pixel_values"],
+                                                                 (0, 0, 0, patches - slot["pixel_values"].shape[0])))
+                 for slot in slots]
     for key in slots[0]:
         out[key] = torch.cat([slot[key] for slot in slots])
     return out
@@ -314,3 +324,135 @@ def test_outside_a_run_qwen_takes_images_of_any_size():
     assert [len(g) for g in got] == [len(e) for e in expected] == [4, 8]
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+# -- Qwen2.5-VL's static tower: slots of fewer tokens, windows, a changed transformers (issue 47) ---
+
+def qwen_inputs(sizes, slot_patches: int = 64, seed: int = 0) -> tuple[dict, list[dict]]:
+    """Random images of `sizes` ((height, width)) through the image processor one by one, and the
+    slots hputrain's blocks make of them: each image's patches, then blank ones up to
+    `slot_patches`."""
+    from .vlm_fixtures import image_processor
+
+    rng = np.random.default_rng(seed)
+    processor = image_processor("qwen2_5_vl")
+    alone = [processor(images=[Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))],
+                       return_tensors="pt") for h, w in sizes]
+    pad = torch.nn.functional.pad
+    slots = {"pixel_values": torch.cat([pad(a["pixel_values"], (0, 0, 0, slot_patches - a["pixel_values"].shape[0]))
+                                        for a in alone]),
+             "image_grid_thw": torch.cat([a["image_grid_thw"] for a in alone])}
+    return slots, alone
+
+
+def tiny_qwen():
+    from .vlm_fixtures import tiny_vlm_config, vlm_tokenizer
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForImageTextToText.from_config(tiny_vlm_config("qwen2_5_vl", vlm_tokenizer()))
+
+
+def test_qwen_slots_of_fewer_tokens_give_each_images_features():
+    """Buckets of 9, 12, 16 and 9 tokens in slots of 16 (64 patches, the rest blank): the
+    features come back every image's own first, in order, each equal to transformers' on the
+    image alone; the slots' blank ones after them."""
+    model = tiny_qwen()
+    slots, alone = qwen_inputs([(84, 84), (112, 112), (56, 168), (28, 252)])
+    expected = [model.model.get_image_features(a["pixel_values"], a["image_grid_thw"]).pooler_output[0]
+                for a in alone]
+    assert [len(e) for e in expected] == [9, 16, 12, 9]
+    static = copy.deepcopy(model)
+    static_image_merge(static)
+    with static_batches(image_model(static)):
+        got = torch.cat(static.model.get_image_features(**slots).pooler_output)
+    assert got.shape[0] == 4 * 16
+    assert torch.allclose(got[:46], torch.cat(expected), atol=1e-6)
+
+
+def test_qwen_windowed_layers_attend_per_window(monkeypatch):
+    """The windowed layers run their attention window by window ([images x windows, heads,
+    window, window]: 16 patches a window here, of 64 an image), the full-attention layer
+    image by image; the features are still transformers' own (its windowed attention)."""
+    model = tiny_qwen()
+    slots, alone = qwen_inputs([(112, 112), (56, 224), (84, 84)])
+    expected = torch.cat([model.model.get_image_features(a["pixel_values"], a["image_grid_thw"]).pooler_output[0]
+                          for a in alone])
+    static = copy.deepcopy(model)
+    static_image_merge(static)
+    modeling = sys.modules[type(static.model.visual).__module__]
+    interface, shapes = modeling.ALL_ATTENTION_FUNCTIONS.get_interface, []
+
+    def watched(name, default):
+        attend = interface(name, default)
+
+        def attention(module, query, *args, **kwargs):
+            shapes.append(tuple(query.shape))
+            return attend(module, query, *args, **kwargs)
+        return attention
+
+    monkeypatch.setattr(modeling.ALL_ATTENTION_FUNCTIONS, "get_interface", watched)
+    with static_batches(image_model(static)):
+        got = torch.cat(static.model.get_image_features(**slots).pooler_output)
+    tower = static.model.visual
+    windowed = [i for i in range(len(tower.blocks)) if i not in tower.fullatt_block_indexes]
+    assert windowed and len(shapes) == len(tower.blocks)
+    heads = tower.config.num_heads
+    for i, shape in enumerate(shapes):
+        if i in windowed:  # at most 6 windows of 2 x 2 merged tokens (16 patches) a slot
+            assert shape[:3] == (3 * 6, heads, 16), shape
+        else:
+            assert shape[:3] == (3, heads, 64), shape
+    assert torch.allclose(got[:16 + 16 + 9], expected, atol=1e-6)
+
+
+def _renamed_qkv(tower):
+    """A newer attention module's layout: its qkv projection under another name."""
+    for block in tower.blocks:
+        block.attn.to_qkv = block.attn.qkv
+        del block.attn.qkv
+
+
+def _copied_window_splits(tower, monkeypatch):
+    """A newer tower that hands its windowed layers a copy of the window split points."""
+    modeling = sys.modules[type(tower).__module__]
+    original = modeling.get_vision_window_index
+
+    def copied(*args, **kwargs):
+        index, splits = original(*args, **kwargs)
+        return index, splits.clone()
+    monkeypatch.setattr(modeling, "get_vision_window_index", copied)
+
+
+def _skipped_attention(tower, monkeypatch):
+    """A newer block that calls its attention by another route than the module's forward."""
+    for block in tower.blocks:
+        monkeypatch.setattr(block, "forward", lambda hidden_states, **kwargs: hidden_states + block.mlp(hidden_states))
+
+
+@pytest.mark.parametrize("change, match", [
+    ("renamed qkv", r"block 0 of its vision tower \(\w+\) has no attn\.qkv"),
+    ("no fullatt_block_indexes", r"its vision tower \(\w+\) has no fullatt_block_indexes"),
+    ("copied window splits", r"a windowed layer of its tower was handed split points \(cu_seqlens\) other than "
+                             r"the precomputed window ones"),
+    ("attention skipped", r"its vision tower ran 0 of its 2 attention layers through the attention module's forward"),
+])
+def test_a_changed_qwen_tower_is_one_line(change, match, monkeypatch):
+    """A transformers whose Qwen2.5-VL tower is laid out otherwise than the static tower reads it
+    (stand-ins for what a newer one might change) is one line naming the change, never a silent
+    fall back to full attention or to transformers' own host reads."""
+    model = tiny_qwen()
+    tower = model.model.visual
+    if change == "renamed qkv":
+        _renamed_qkv(tower)
+    elif change == "no fullatt_block_indexes":
+        del tower.fullatt_block_indexes
+    elif change == "copied window splits":
+        _copied_window_splits(tower, monkeypatch)
+    else:
+        _skipped_attention(tower, monkeypatch)
+    slots, _ = qwen_inputs([(112, 112), (56, 224)])
+    with pytest.raises(InputError, match=r"^transformers [\d.]+\w*'s Qwen2.5-VL vision tower is not the one hputrain's "
+                                         r"static tower follows \(transformers 5.24\): " + match):
+        static_image_merge(model)
+        with static_batches(image_model(model)):
+            model.model.get_image_features(**slots)

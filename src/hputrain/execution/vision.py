@@ -29,14 +29,22 @@ Host reads left in the forwards (transformers 5.24), on a static batch:
   Qwen2_5_VLVisionAttention splits by `cu_seqlens.tolist()`), and `get_image_features` splits the
   features by `image_grid_thw.prod(-1).tolist()`: four reads a step, and graphs that follow the
   grids (which bucket each slot holds). `_static_image_features` hands the tower what it would
-  derive (the keyword inputs vision_utils pops for that purpose): the patches' positions computed
-  on the device from `image_grid_thw` by elementwise ops, the split points (which follow from the
-  shapes alone) made on the host; and `_static_attention` runs the tower's attention on all
-  images at once, [images, heads, patches, head_dim], a window mask on the windowed layers,
-  where transformers splits per image and per window. That needs what hputrain's blocks hold:
-  images of one frame and one patch count (every bucket of a family has the same token count);
-  the windows may be partial (a bucket side that is not a multiple of `window_size`). With flash
-  attention requested the tower is left as it is (its split points stay on the device).
+  derive (the keyword inputs vision_utils pops for that purpose), computed on the device from
+  `image_grid_thw` by elementwise ops (`TowerLayout`): the patches' positions, and the split
+  points (which follow from the shapes alone) made on the host; `_static_attention` runs the
+  full-attention layers on all images at once, [images, heads, P, P], and the windowed layers
+  window by window, [images x windows, heads, window, window] (each slot's patches gathered into
+  a fixed number of window places, `buckets.most_windows`), where transformers splits per image
+  and per window. That needs what hputrain's blocks hold: one frame an image and one patch count
+  a slot, P, an image's own patches first (its bucket's, the windows maybe partial), blank ones
+  after, which are no key of any attention and whose features come last. With flash attention
+  requested the tower is left as it is (its split points stay on the device).
+
+The Qwen tower is transformers 5.24's (WRITTEN_FOR): `check_tower` reads its layout when the
+swap is made, and its first forward checks that each layer got the split points of its kind (the
+windowed layers are told by fullatt_block_indexes, never by which tensor arrives) and that every
+layer's attention ran through the module's forward; a transformers that lays it out otherwise is
+one line naming what changed, not a silent fall back to full attention.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ import types
 
 import torch
 
+from ..errors import InputError
 from ..models.vision import vision_family
 
 _MARK = "_hputrain_static_merge"
@@ -131,18 +140,24 @@ def static_batches(inner: torch.nn.Module | None):
 
 
 def _static_image_features(self, pixel_values, image_grid_thw=None, return_dict=True, **kwargs):
-    """Qwen2.5-VL's get_image_features on images of equal patch counts, the tower's grid inputs
-    precomputed without a host read (see the module docstring); the features come back split per
-    image, as transformers' own. Outside `static_batches`, transformers' own."""
+    """Qwen2.5-VL's get_image_features on hputrain's image slots (one patch count each, an
+    image's own patches first), the tower's inputs precomputed without a host read (see the module
+    docstring). The features come back real images' first, in order, then the slots' blank ones
+    (what masked_scatter reads is the former), in chunks of one slot each. Outside
+    `static_batches`, transformers' own."""
     if not getattr(self, _STATIC, False):
         return type(self).get_image_features(self, pixel_values, image_grid_thw,
                                              return_dict=return_dict, **kwargs)
     tower = self.visual
     images = image_grid_thw.shape[0]
-    kwargs = {**_grid_inputs(tower, pixel_values.shape[0], images, image_grid_thw), **kwargs}
+    layout = TowerLayout(tower, pixel_values.shape[0], images, image_grid_thw)
+    kwargs = {**layout.inputs(), **kwargs}
     outputs = tower(pixel_values.type(tower.dtype), grid_thw=image_grid_thw, **kwargs)
+    if layout.layers_run < len(tower.blocks):
+        raise changed(f"its vision tower ran {layout.layers_run} of its {len(tower.blocks)} attention "
+                      "layers through the attention module's forward")
     features = outputs.pooler_output
-    outputs.pooler_output = features.split(features.shape[0] // images)
+    outputs.pooler_output = features[layout.real_first].split(features.shape[0] // images)
     return outputs if return_dict else outputs.to_tuple()
 
 
@@ -152,40 +167,95 @@ def _flash(tower) -> bool:
     return "flash" in str(getattr(tower.config, "_attn_implementation", ""))
 
 
-_WINDOWS = "hputrain_window_ids"
-_WINDOW_LAYERS = "hputrain_window_seqlens"
+_LAYOUT = "hputrain_tower_layout"
+"""The keyword input that hands each attention layer the batch's TowerLayout."""
+_WINDOWED = "_hputrain_windowed"
+"""An attention module's attribute: its layer attends within windows (from the tower's
+fullatt_block_indexes, read when the module is swapped)."""
 
 
-def _grid_inputs(tower, patches: int, images: int, grid_thw: torch.Tensor) -> dict:
-    """The keyword inputs Qwen2.5-VL's tower takes precomputed (transformers/vision_utils.py), for
-    `images` images of `patches // images` patches each (one frame each):
-    - "position_ids": each patch's (row, column) in its image, in merge-block order, computed
-      elementwise from each image's grid;
-    - "window_index": the identity (the merged tokens stay in image order: `_window_attention`
-      keeps each window to itself by a mask, wherever its tokens are);
-    - "cu_seqlens": the images' split points, on the host (they follow from the shapes);
-    - "cu_window_seqlens": a host tensor `_window_attention` tells the windowed layers by, with
-      which patches share a window beside it ([images, 1, patches, patches], on the device)."""
-    merge = tower.spatial_merge_size
-    unit = merge * merge
-    per_image = patches // images
-    device = grid_thw.device
-    grid = grid_thw[:, None, :].expand(images, per_image, 3).reshape(patches, 3)
-    width = grid[:, 2]
-    local = torch.arange(per_image, device=device).repeat(images)
-    block, inside = _div(local, unit), local % unit
-    rows = _div(block, _div(width, merge)) * merge + _div(inside, merge)
-    columns = block % _div(width, merge) * merge + inside % merge
-    side = tower.window_size // merge // tower.patch_size  # a window's side, in merged tokens
-    across = _div(_div(width, merge) + side - 1, side)  # windows in a row (the last may be partial)
-    windows = _div(rows, merge * side) * across + _div(columns, merge * side)
-    windows = windows.reshape(images, per_image)
-    cu_seqlens = torch.arange(0, patches + 1, per_image, dtype=torch.int32)
-    window_layers = cu_seqlens.clone()
-    return {"position_ids": torch.stack([rows, columns], dim=-1),
-            "window_index": torch.arange(patches // unit, device=device),
-            "cu_seqlens": cu_seqlens, "cu_window_seqlens": window_layers, _WINDOW_LAYERS: window_layers,
-            _WINDOWS: (windows[:, :, None] == windows[:, None, :])[:, None]}
+class TowerLayout:
+    """Where each patch of a batch of image slots goes in Qwen2.5-VL's tower, computed on the
+    device from the slots' grids by elementwise ops (no host read), for `images` slots of
+    `patches // images` patches each, an image's own first (its grid's t * h * w, one frame),
+    then blank ones:
+
+    - `position_ids`: each patch's (row, column) in its image, in merge-block order (blank: 0);
+    - `keys`: [images, 1, 1, P] True on an image's own patches (the keys the full-attention
+      layers attend to);
+    - windows: the windowed layers attend within each window of side window_size / patch_size
+      patches (the last of a row or column may be partial), in static shapes: every slot has
+      `windows` window places (`most_windows`, the most any bucket shape of the slot's tokens
+      has) of `window` patches each; `gather` [images * windows * window] is the patch of each
+      place (a place past the image's windows, or in a partial window's missing part, is not a
+      key: `window_keys`), `scatter` [images * P] each patch's place;
+    - `real_first`: the order of the tower's merged features that puts every image's own first,
+      image by image, then every blank one;
+    - `cu_seqlens`, `cu_window_seqlens`: host tensors the tower hands to its full and windowed
+      layers, which each attention layer checks it got (`_static_attention`)."""
+
+    def __init__(self, tower, patches: int, images: int, grid_thw: torch.Tensor) -> None:
+        from ..data.vision.buckets import most_windows
+
+        merge = tower.spatial_merge_size
+        unit = merge * merge
+        per_image = patches // images
+        side = tower.window_size // merge // tower.patch_size  # a window's side, in merged tokens
+        self.images, self.per_image, self.unit = images, per_image, unit
+        self.window = side * side * unit
+        self.windows = most_windows(per_image // unit, side)
+        device = grid_thw.device
+        height, width = grid_thw[:, 1:2], grid_thw[:, 2:3]  # [images, 1], in patches
+        down, across = _div(height, merge), _div(width, merge)  # in merged tokens
+        across_windows = _div(across + side - 1, side)
+        local = torch.arange(per_image, device=device)[None]
+        own = local < height * width
+        block, inside = _div(local, unit), local % unit
+        row, column = _div(block, across), block % across  # the merged token's
+        rows = row * merge + _div(inside, merge)
+        columns = column * merge + inside % merge
+        self.position_ids = torch.stack([rows.where(own, 0), columns.where(own, 0)], dim=-1).reshape(patches, 2)
+        self.keys = own[:, None, None, :]
+        place = (_div(row, side) * across_windows + _div(column, side)) * self.window \
+            + ((row % side) * side + column % side) * unit + inside
+        places = self.windows * self.window
+        self.scatter = (place.where(own, 0) + torch.arange(images, device=device)[:, None] * places).reshape(-1)
+        at = torch.arange(places, device=device)[None]
+        window, within = _div(at, self.window), at % self.window
+        merged, inside = _div(within, unit), within % unit
+        row = _div(window, across_windows) * side + _div(merged, side)
+        column = window % across_windows * side + merged % side
+        there = (row < down) & (column < across)
+        patch = (row * across + column) * unit + inside
+        self.gather = (patch.where(there, 0) + torch.arange(images, device=device)[:, None] * per_image).reshape(-1)
+        self.window_keys = there.reshape(images * self.windows, 1, 1, self.window)
+        features = per_image // unit
+        merged_own = local[:, :features] < _div(height * width, unit)
+        flat = torch.arange(images * features, device=device).reshape(images, features)
+        self.real_first = torch.argsort(flat.where(merged_own, flat + images * features).reshape(-1))
+        self.cu_seqlens, self.cu_window_seqlens = self.split_points_of(patches, per_image)
+        self.layers_run = 0
+
+    @staticmethod
+    def split_points_of(patches: int, per_image: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host tensors the tower hands its full and windowed layers (the images' split
+        points, each layer checking it got its kind's by identity): made from the shapes alone."""
+        points = torch.arange(0, patches + 1, per_image, dtype=torch.int32)
+        return points, points.clone()
+
+    def inputs(self) -> dict:
+        """The tower's keyword inputs: what transformers/vision_utils pops precomputed
+        ("position_ids"; "window_index", the identity: the patches stay in slot order; the two
+        split points), and this layout, for the attention layers."""
+        merged = self.position_ids.shape[0] // self.unit
+        return {"position_ids": self.position_ids,
+                "window_index": torch.arange(merged, device=self.position_ids.device),
+                "cu_seqlens": self.cu_seqlens, "cu_window_seqlens": self.cu_window_seqlens,
+                _LAYOUT: self}
+
+    def split_points(self, windowed: bool) -> torch.Tensor:
+        """What the tower hands a windowed (or full-attention) layer as its cu_seqlens."""
+        return self.cu_window_seqlens if windowed else self.cu_seqlens
 
 
 def _div(a: torch.Tensor, b) -> torch.Tensor:
@@ -194,41 +264,117 @@ def _div(a: torch.Tensor, b) -> torch.Tensor:
     return torch.div(a, b, rounding_mode="floor")
 
 
+WRITTEN_FOR = "5.24"
+"""The transformers whose Qwen2.5-VL tower `_static_attention` follows (read and tested)."""
+
+_TOWER = ("blocks", "fullatt_block_indexes", "window_size", "patch_size", "spatial_merge_size")
+_ATTENTION = ("qkv", "proj", "num_heads", "scaling", "config")
+_MODELING = ("apply_rotary_pos_emb_vision", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward",
+             "get_vision_position_ids", "get_vision_window_index", "get_vision_attention_seqlens")
+
+
+def changed(what: str) -> InputError:
+    """The one line that says Qwen2.5-VL's tower in this transformers is not the one
+    `_static_attention` was written for, naming `what` differs."""
+    import transformers
+
+    return InputError(f"transformers {transformers.__version__}'s Qwen2.5-VL vision tower is not the one "
+                      f"hputrain's static tower follows (transformers {WRITTEN_FOR}): {what}; install "
+                      f"transformers {WRITTEN_FOR} (pip install 'transformers=={WRITTEN_FOR}.*')")
+
+
+def check_tower(tower) -> None:
+    """One line (`changed`) unless the tower is laid out as `_static_attention` reads it: its
+    blocks' attention modules (block.attn, with qkv, proj, num_heads, scaling, config, and a
+    forward of (hidden_states, cu_seqlens, position_embeddings, ...)), the layers that attend in
+    full (fullatt_block_indexes; the others in windows), its window and patch sizes, and the
+    functions of its modeling file that take its inputs precomputed. What this cannot see before
+    a forward (the tower handing each layer the split points it was given, running every layer's
+    attention through its forward) is checked in the first forward."""
+    lacks = [name for name in _TOWER if not hasattr(tower, name)]
+    if lacks:
+        raise changed(f"its vision tower ({type(tower).__name__}) has no {', '.join(lacks)}")
+    modeling = sys.modules[type(tower).__module__]
+    lacks = [name for name in _MODELING if not hasattr(modeling, name)]
+    if lacks:
+        raise changed(f"{modeling.__name__} has no {', '.join(lacks)}")
+    for index, block in enumerate(tower.blocks):
+        attention = getattr(block, "attn", None)
+        lacks = ["attn"] if attention is None else [name for name in _ATTENTION if not hasattr(attention, name)]
+        if lacks:
+            raise changed(f"block {index} of its vision tower ({type(block).__name__}) has no "
+                          f"{', '.join(('attn.' if attention is not None else '') + n for n in lacks)}")
+        names = list(inspect.signature(type(attention).forward).parameters)
+        if names[1:4] != ["hidden_states", "cu_seqlens", "position_embeddings"]:
+            raise changed(f"its vision attention's forward takes ({', '.join(names[1:])}), not "
+                          "(hidden_states, cu_seqlens, position_embeddings, ...)")
+
+
 def _window_attention(tower) -> None:
-    """Swaps `_static_attention` into the tower's attention modules, once."""
-    for module in tower.modules():
-        if hasattr(module, "qkv") and hasattr(module, "proj") and not getattr(module.forward, _MARK, False):
-            module.forward = types.MethodType(_static_attention, module)
+    """Swaps `_static_attention` into the attention module of each of the tower's blocks, once,
+    each told whether its layer is windowed (not in fullatt_block_indexes); `check_tower` first."""
+    check_tower(tower)
+    full = {int(i) for i in tower.fullatt_block_indexes}
+    for index, block in enumerate(tower.blocks):
+        attention = block.attn
+        setattr(attention, _WINDOWED, index not in full)
+        if not getattr(attention.forward, _MARK, False):
+            attention.forward = types.MethodType(_static_attention, attention)
+
+
+def _same(given, expected: torch.Tensor) -> bool:
+    """Whether `given` is the host tensor `expected` (itself, or a view of it such as a detached
+    one); a copy is not (no value is read)."""
+    return given is expected or (isinstance(given, torch.Tensor) and given.device == expected.device
+                                 and given.shape == expected.shape and given.data_ptr() == expected.data_ptr())
 
 
 def _static_attention(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
-    """Qwen2.5-VL's vision attention over images of equal patch counts in one call of static
-    shape: [images, heads, patches, head_dim], each image attending to itself (full-attention
-    layers) or each window to itself (windowed layers: a mask by the patches' window ids), where
-    transformers splits the patches per image or per window by `cu_seqlens.tolist()`. The same
-    attention, up to float rounding. Without the precomputed window ids, transformers' own."""
-    windows = kwargs.pop(_WINDOWS, None)  # [images, 1, patches, patches]: True within a window
-    window_layers = kwargs.pop(_WINDOW_LAYERS, None)
-    if windows is None:
+    """Qwen2.5-VL's vision attention over hputrain's image slots in static shapes (TowerLayout):
+    a full-attention layer runs [images, heads, P, P], each image's own patches the keys; a
+    windowed layer gathers each window's patches into its places, runs [images * windows, heads,
+    window, window], and puts each patch's output back: the cost of the windows, not of P x P.
+    transformers splits per image and per window by `cu_seqlens.tolist()`; the same attention,
+    up to float rounding. Without a layout (outside hputrain's forwards), transformers' own. The
+    split points the tower hands this layer must be those it was given for its kind of layer,
+    and no precomputed input may be left unread: else one line (`changed`)."""
+    layout = kwargs.pop(_LAYOUT, None)
+    if layout is None:
         return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+    windowed = getattr(self, _WINDOWED)
+    if not _same(cu_seqlens, layout.split_points(windowed)):
+        kind, points = ("windowed", "window") if windowed else ("full-attention", "image")
+        raise changed(f"a {kind} layer of its tower was handed split points (cu_seqlens) other than "
+                      f"the precomputed {points} ones, so which layers attend in windows is no "
+                      "longer what fullatt_block_indexes says")
+    unread = [name for name in ("position_ids", "window_index", "cu_seqlens", "cu_window_seqlens") if name in kwargs]
+    if unread:
+        raise changed(f"its vision tower no longer takes {', '.join(unread)} precomputed")
+    layout.layers_run += 1
     modeling = sys.modules[type(self).__module__]
-    images, per_image = windows.shape[0], windows.shape[-1]
     length = hidden_states.shape[0]
     qkv = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3)
     query, key, value = qkv.unbind(0)
     cos, sin = position_embeddings
     query, key = modeling.apply_rotary_pos_emb_vision(query, key, cos, sin)
-    query, key, value = (t.reshape(images, per_image, self.num_heads, -1).transpose(1, 2)
-                         for t in (query, key, value))
-    mask = None
-    if cu_seqlens is window_layers:
-        mask = torch.zeros(windows.shape, dtype=query.dtype, device=query.device).masked_fill(
-            windows.eq(False), torch.finfo(query.dtype).min)
+    if windowed:  # [images * windows, heads, window, head_dim]
+        query, key, value = (t[layout.gather].reshape(-1, layout.window, self.num_heads, t.shape[-1]).transpose(1, 2)
+                             for t in (query, key, value))
+        keys = layout.window_keys
+    else:  # [images, heads, P, head_dim]
+        query, key, value = (t.reshape(layout.images, layout.per_image, self.num_heads, -1).transpose(1, 2)
+                             for t in (query, key, value))
+        keys = layout.keys
+    mask = torch.zeros(keys.shape, dtype=query.dtype, device=query.device).masked_fill(
+        keys.logical_not(), torch.finfo(query.dtype).min).expand(-1, -1, query.shape[-2], -1)
     attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, modeling.eager_attention_forward)
     output, _ = attention(self, query, key, value, attention_mask=mask, scaling=self.scaling,
                           dropout=0.0 if not self.training else self.attention_dropout, is_causal=False)
-    return self.proj(output.reshape(length, -1).contiguous())
+    output = output.reshape(-1, output.shape[-2] * output.shape[-1])
+    if windowed:
+        output = output[layout.scatter]
+    return self.proj(output.contiguous())
 
 
 for _swapped in (_image_only, _with_video, _static_image_features, _static_attention):

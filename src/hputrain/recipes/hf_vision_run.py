@@ -208,7 +208,8 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
             f"hputrain: images: {processing.buckets.describe()}, {counted(data.slots, 'slot')} a "
             f"block, {counted(stats.images, 'image')}, {stats.padding_slot_fraction:.1%} of the "
             "slots padding (blank images)\n"
-            f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
+            + "".join(f"hputrain: warning: {said}\n" for said in stats.warnings(options.packing))
+            + f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
             f"to learn, {stats.truncated} cut to {block_size} tokens (--block-size), "
             f"{stats.labels_cut} learned tokens cut\n"
             f"hputrain: {shape}, from {options.dataset}{_cached(data)}\n"

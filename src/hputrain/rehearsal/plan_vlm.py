@@ -241,30 +241,24 @@ class VisionStep:
 
 @contextlib.contextmanager
 def host_split_points():
-    """For the time of a trace on fake tensors: Qwen2.5-VL's static image features
-    (execution/vision.py `_grid_inputs`) with the split points the tower reads on the host
-    (`cu_seqlens`, `cu_window_seqlens`, which depend on the shapes alone) as real tensors, as in
-    the run; a fake one cannot be read (`.tolist()`). Made by the same function on a real grid of
-    one window a side (its values do not enter them)."""
+    """For the time of a trace on fake tensors: Qwen2.5-VL's static tower (execution/vision.py
+    `TowerLayout`) with the split points it hands its layers (`cu_seqlens`, `cu_window_seqlens`,
+    which depend on the shapes alone) as real host tensors, as in the run."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..execution import vision
 
-    original = vision._grid_inputs
+    original = vision.TowerLayout.split_points_of
 
-    def grid_inputs(tower, patches: int, images: int, grid_thw: torch.Tensor) -> dict:
-        found = original(tower, patches, images, grid_thw)
+    def split_points_of(patches: int, per_image: int):
         with unset_fake_temporarily():
-            side = tower.window_size // tower.patch_size
-            real = original(tower, patches, images, torch.full(tuple(grid_thw.shape), side))
-        # the split points: what _grid_inputs keeps on the host, the tower splits by them there
-        return found | {key: real[key] for key in ("cu_seqlens", "cu_window_seqlens")}
+            return original(patches, per_image)
 
-    vision._grid_inputs = grid_inputs
+    vision.TowerLayout.split_points_of = staticmethod(split_points_of)
     try:
         yield
     finally:
-        vision._grid_inputs = original
+        vision.TowerLayout.split_points_of = staticmethod(original)
 
 
 def find_tower(model: torch.nn.Module, attribute: str) -> torch.nn.Module | None:

@@ -9,8 +9,9 @@ A block (one item of `ImageBlocks`) is a dict of tensors:
   position_ids   [S], or [3, S] for Qwen's multimodal RoPE: restarting at each example (Qwen:
                  transformers' get_rope_index of that example alone), the padding 0, 1, ...
   seq_lens       [S]       the examples' lengths, then zeros (packing.block_causal_mask reads it)
-  pixel_values   [K, C, H, W] (one image size), or Qwen's patches [K * P, D]
-  image_grid_thw [K, 3]    Qwen only: each slot's (t, h, w) patch grid
+  pixel_values   [K, C, H, W] (one image size), or Qwen's patches [K * P, D]: P the slot's
+                 patches, an image's own first (its bucket's), then blank ones (zeros)
+  image_grid_thw [K, 3]    Qwen only: each slot's image's (t, h, w) patch grid
   image_count    []        the real images; the slots after them hold a blank image
 
 `pack_images` puts whole examples into blocks by best-fit decreasing on tokens with at most K
@@ -34,7 +35,11 @@ from .. import packing
 from ..batching import bucket_lengths
 from ..packing import IGNORE_INDEX
 from ..token_store import Ragged
+from .buckets import MAX_DISTORTION, RATIO_LIMIT
 from .encode import check_fits
+
+BLANK_SLOTS = 0.25
+"""More than this share of a run's image slots blank is warned of (BlockStats.warnings)."""
 
 IMAGE_COUNT = "image_count"
 """A block's key of its real images' count, which ImageCollator reads (and drops)."""
@@ -57,13 +62,70 @@ class BlockStats(packing.PackingStats):
     """Image slots per block (K)."""
     padding_slots: int = 0
     """Slots holding a blank image."""
+    most_images: int = 0
+    """The most images of one example (the least K may be)."""
+    fullest: str = ""
+    """The row of that example."""
+    distorted: int = 0
+    """Examples with an image whose aspect ratio its bucket changes by more than
+    buckets.MAX_DISTORTION."""
+    most_distorted: float = 0.0
+    """The most an image's aspect ratio is changed (Buckets.distortion)."""
+    distorted_row: str = ""
+    """The row of that image."""
+    crowded: int = 0
+    """Examples with more images than a block holds on average (rounded up)."""
+    slots_given: bool = False
+    """K is --image-slots (else the default: loading.choose_slots)."""
 
     @property
     def padding_slot_fraction(self) -> float:
         total = self.images + self.padding_slots
         return self.padding_slots / total if total else 0.0
 
-    SHARED = ("slots",)  # add() sums the rest: the splits' blocks have one K
+    SHARED = ("slots", "slots_given", "most_images", "fullest", "most_distorted", "distorted_row")
+    """add() sums the rest: the splits' blocks have one K; the most of either is kept."""
+
+    def warnings(self, packed: bool = True) -> list[str]:
+        """What the run's header warns of: more than BLANK_SLOTS of the image slots blank (each
+        runs the vision tower as a real image does), what set K and what would lower it
+        (`packed`: whether the blocks were packed); images whose bucket changes their aspect
+        ratio by more than MAX_DISTORTION."""
+        said = []
+        if self.padding_slot_fraction > BLANK_SLOTS:
+            said.append(self._blank_slots(packed))
+        if self.distorted:
+            said.append(f"{_counted(self.distorted, 'example')} {'has' if self.distorted == 1 else 'have'} "
+                        f"an image whose pixel bucket changes its aspect ratio by more than "
+                        f"{MAX_DISTORTION:.0%} (the most: {self.most_distorted:.0%}, {self.distorted_row}): "
+                        "give --image-buckets with a size of that shape (at most "
+                        f"{RATIO_LIMIT:g}:1), or crop such images")
+        return said
+
+    def _blank_slots(self, packed: bool) -> str:
+        mean = self.images / self.blocks if self.blocks else 0.0
+        enough = max(1, math.ceil(mean), self.most_images)
+        if self.slots > enough:
+            why = "--image-slots" if self.slots_given else "the mean images a block of a packing by tokens alone"
+            fix = (f"--image-slots {enough} would do (the most images of one example: "
+                   f"{self.most_images})")
+        else:
+            why = "--image-slots, " if self.slots_given else ""
+            why += f"the {self.most_images} images of one example, {self.fullest}"
+            fix = (f"leave out or split the {_counted(self.crowded, 'example')} with more than "
+                   f"{_counted(max(1, math.ceil(mean)), 'image')}, and K can come down with them")
+            if not packed:
+                fix += "; or pack (leave out --no-packing): a block's slots then hold several examples' images"
+        return (f"{self.padding_slot_fraction:.0%} of the image slots are blank images, each run through "
+                f"the vision tower as a real one: {self.slots} slots a block (set by {why}) for "
+                f"{mean:.1f} images a block on average; {fix}")
+
+    def add(self, other: BlockStats) -> None:
+        super().add(other)
+        if other.most_images > self.most_images:
+            self.most_images, self.fullest = other.most_images, other.fullest
+        if other.most_distorted > self.most_distorted:
+            self.most_distorted, self.distorted_row = other.most_distorted, other.distorted_row
 
 
 # -- what is kept of the examples -------------------------------------------------------------------
@@ -94,6 +156,7 @@ def cut_examples(examples, select, block_size: int) -> Kept:
     stats, kept, lengths, counts = BlockStats(), [], [], []
     for i in np.asarray(select, dtype=np.int64).tolist():
         ids, labels = examples[i].input_ids, examples[i].labels
+        _count_distortion(stats, examples[i])
         n = min(len(ids), block_size)
         if len(ids) > block_size:
             check_fits(examples[i], block_size)
@@ -107,8 +170,19 @@ def cut_examples(examples, select, block_size: int) -> Kept:
         counts.append(len(examples[i].images))
     stats.examples, stats.tokens, stats.images = len(kept), sum(lengths), sum(counts)
     fullest = getattr(examples[kept[int(np.argmax(counts))]], "where", "") if kept else ""
+    stats.most_images, stats.fullest = (max(counts), fullest) if kept else (0, "")
     return Kept(np.asarray(kept, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
                 np.asarray(counts, dtype=np.int64), stats, fullest)
+
+
+def _count_distortion(stats: BlockStats, example) -> None:
+    """Counts `example` in `stats` when its bucket changes an image's aspect ratio by more than
+    MAX_DISTORTION (the most such change, and its row, kept)."""
+    distortion = getattr(example, "distortion", 0.0)
+    if distortion > MAX_DISTORTION + 1e-6:  # (float32 in the cache)
+        stats.distorted += 1
+    if distortion > stats.most_distorted:
+        stats.most_distorted, stats.distorted_row = distortion, getattr(example, "where", "")
 
 
 def default_slots(counts: list[int], lengths: list[int], block_size: int, most: int) -> int:
@@ -184,8 +258,19 @@ def pack_images(layout: BlockLayout, examples, kept: Kept, block_size: int) -> t
     stats = replace(kept.stats, blocks=len(bins), slots=slots)
     stats.padding = stats.blocks * block_size - stats.tokens
     stats.padding_slots = stats.blocks * slots - stats.images
+    stats.crowded = _crowded(kept, stats)
     sizes = np.full(len(bins), block_size, dtype=np.int64)
     return ImageBlocks(layout, examples, members, lengths, sizes), stats
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _crowded(kept: Kept, stats: BlockStats) -> int:
+    """The kept examples with more images than the blocks hold on average (rounded up)."""
+    mean = math.ceil(stats.images / stats.blocks) if stats.blocks else 0
+    return int(np.count_nonzero(kept.counts > max(1, mean)))
 
 
 def fill_slots(lengths: list[int], counts: list[int], block_size: int, slots: int) -> list[list[int]]:
@@ -214,6 +299,7 @@ def unpacked_images(layout: BlockLayout, examples, kept: Kept,
     stats = replace(kept.stats, blocks=len(sizes), slots=slots)
     stats.padding = int(sizes.sum()) - stats.tokens
     stats.padding_slots = stats.blocks * slots - stats.images
+    stats.crowded = _crowded(kept, stats)
     return ImageBlocks(layout, examples, members, cut, sizes), stats
 
 
@@ -225,6 +311,7 @@ class BlockLayout:
 
     def __init__(self, processing, slots: int) -> None:
         self.processing, self.slots = processing, slots
+        self.patches = slot_patches(processing)
         tokenizer = processing.tokenizer
         self.pad_token_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
                                  if t is not None)
@@ -258,7 +345,8 @@ class BlockLayout:
         # Padding slots: a blank image of the first bucket.
         images += [self.processing.blank(0)] * (self.slots - count)
         block = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-                 "seq_lens": seq_lens, **stack_images(images), IMAGE_COUNT: torch.tensor(count)}
+                 "seq_lens": seq_lens, **stack_images(images, self.patches),
+                 IMAGE_COUNT: torch.tensor(count)}
         return block
 
     def positions(self, ids: torch.Tensor, pixels: list[dict]) -> torch.Tensor:
@@ -270,12 +358,26 @@ class BlockLayout:
         return self.rope(ids, grids, self.image_token)
 
 
-def stack_images(images: list[dict]) -> dict:
+def slot_patches(processing) -> int | None:
+    """The patches of one image slot of a dynamic-resolution family (Qwen): its buckets' most
+    image tokens x merge^2; None for a fixed-size family (or a processing without buckets)."""
+    tokens = getattr(getattr(processing, "buckets", None), "tokens", None)
+    if tokens is None or processing.family.positions != "3d":
+        return None
+    return tokens * processing.config.vision_config.spatial_merge_size ** 2
+
+
+def stack_images(images: list[dict], patches: int | None = None) -> dict:
     """pixel_values (and image_grid_thw) of a block's slots: [K, C, H, W], or Qwen's [K * P, D]
-    patches with the [K, 3] grids."""
+    patches with the [K, 3] grids, each image's patches followed by blank (zero) ones up to the
+    slot's `patches` (a bucket of fewer tokens than the slot: its grid says how many are its
+    own, and execution/vision.py leaves the rest out of the tower's attention and features)."""
     values = [torch.as_tensor(p["pixel_values"], dtype=torch.float32) for p in images]
     if "image_grid_thw" not in images[0]:
         return {"pixel_values": torch.stack(values)}
+    if patches is not None:
+        values = [torch.nn.functional.pad(v, (0, 0, 0, patches - v.shape[0])) if v.shape[0] < patches else v
+                  for v in values]
     grids = [torch.as_tensor(p["image_grid_thw"], dtype=torch.long).reshape(3) for p in images]
     return {"pixel_values": torch.cat(values), "image_grid_thw": torch.stack(grids)}
 

@@ -8,17 +8,24 @@ them may name only that size; anything else is one line (their processor has one
 
 Dynamic-resolution families (Qwen2.5-VL): sizes in multiples of the patch x merge (14 x 2 = 28)
 within the image processor's min_pixels..max_pixels (there its own resize leaves an image be),
-tokens = (width / 28) x (height / 28). --image-buckets WxH, or three defaults of equal token
-count: square, wide and tall (the largest square count up to 256 tokens that the pixel limits
-allow and that has a wide shape near 16:9, e.g. 336x336, 448x252, 252x448: 144 tokens each).
+tokens = (width / 28) x (height / 28). By default (`default_sizes`), the aspect buckets of
+diffusion training: the square of the largest square count up to 256 tokens the pixel limits
+allow (448x448, 256 tokens, with Qwen's own settings), then wide and tall sizes of at most as
+many tokens whose aspect ratios follow each other so closely that every image from 1:10 to 10:1
+is resized by at most 10% in its aspect ratio (31 buckets at 256 tokens; 210 to 256 tokens each).
 Each image goes into the bucket nearest its aspect ratio (`Buckets.choose`) and is resized there
 with the processor's resampling filter; `resize_to_bucket` is that rule for one image, which
 `hputrain generate` applies too, so that a question about an image sees it as training did.
-Buckets whose token counts differ are one line naming each. An image whose aspect ratio is more
-than MAX_DISTORTION from its bucket's is measured by `Buckets.distortion`.
+
+Buckets of fewer tokens than the slot leave the rest of its patches blank: the vision tower runs
+every slot at the slot's count (execution/vision.py masks the blank patches out), so that all the
+buckets of a run are one shape, one graph, whatever their number. An image whose aspect ratio is
+more than MAX_DISTORTION from its bucket's (past 10:1, or a --image-buckets set with gaps) is
+counted and named in a warning (`Buckets.distortion`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +46,6 @@ RATIO_LIMIT = DEFAULT_RATIO * (1 + MAX_DISTORTION)
 """The widest aspect ratio of a bucket (11:1): Qwen2.5-VL's static tower plans its window slots
 for no wider an image (execution/vision.py, `most_windows`), so --image-buckets beyond it is one
 line."""
-
-WIDE_RATIO = 16 / 9
-"""The shape the default wide (and tall) bucket comes nearest to: a wide photo's or screen's."""
 
 MIN_FILL = 0.75
 """A default bucket gives at least this share of the slot's tokens (where the pixel limits allow)."""
@@ -111,8 +115,8 @@ class Buckets:
         kept = self.kept_within()
         if kept is not None:
             words += f", aspect ratios kept within {kept[1]:.0%} from 1:{kept[0]:g} to {kept[0]:g}:1"
-        if len(self.sizes) > 1:
-            words += f"; one image slot shape of {self.tokens} tokens for them all (1 graph)"
+        if len(self.sizes) > 1:  # (data/vision/blocks.py pads each image's patches to the slot)
+            words += f"; each in an image slot of {self.tokens} tokens, so the buckets add no graph"
         return words
 
     def kept_within(self) -> tuple[float, float] | None:
@@ -139,6 +143,20 @@ def resize_to_bucket(image, buckets: Buckets):
     about an image as it learned from it. `buckets`: the run's (encode.Processing.buckets,
     from --image-buckets or the defaults)."""
     return buckets.resize(image, buckets.choose(*image.size))
+
+
+@functools.lru_cache(maxsize=64)
+def most_windows(tokens: int, side: int) -> int:
+    """The most attention windows of `side` x `side` merged tokens (the last of a row or column
+    partial) an image of a bucket shape of at most `tokens` tokens has: every shape a x b with
+    a * b <= tokens and an aspect ratio up to RATIO_LIMIT, as make_buckets allows them. Qwen2.5-VL's
+    static tower gives each image slot this many window places (execution/vision.py)."""
+    most = 1
+    for b in range(1, math.isqrt(tokens) + 1):
+        for a in range(b, tokens // b + 1):
+            if a / b <= RATIO_LIMIT:
+                most = max(most, -(-a // side) * -(-b // side))
+    return most
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -177,13 +195,8 @@ def make_buckets(family, image_processor, image_buckets: list[str] | None = None
             _check_size(width, height, factor, low, high, family.name)
     else:
         sizes = default_sizes(factor, low, high)
-    counts = [tokens_of(w, h) for w, h in sizes]
-    if len(set(counts)) > 1:
-        listed = ", ".join(f"{w}x{h}: {c}" for (w, h), c in zip(sizes, counts))
-        raise InputError(f"--image-buckets give different image-token counts ({listed}): every "
-                         "bucket must give the same count, so that blocks keep one shape (e.g. "
-                         "336x336, 448x252, 252x448: 144 each)")
-    return Buckets(sizes, counts[0], resizes=True, resample=resample)
+    counts = tuple(tokens_of(w, h) for w, h in sizes)
+    return Buckets(sizes, max(counts), resizes=True, resample=resample, counts=counts)
 
 
 def fixed_size(image_processor) -> tuple[int, int]:
@@ -211,6 +224,10 @@ def _check_size(width: int, height: int, factor: int, low: int, high: int, name:
         raise InputError(f"--image-buckets {width}x{height}: {name}'s bucket sides must be multiples "
                          f"of {factor} (patch x merge): e.g. {_round(width, factor)}x"
                          f"{_round(height, factor)}")
+    if max(width / height, height / width) > RATIO_LIMIT:
+        raise InputError(f"--image-buckets {width}x{height}: an aspect ratio of "
+                         f"{max(width / height, height / width):.1f}:1, past the {RATIO_LIMIT:g}:1 "
+                         f"{name}'s vision tower is planned for: choose a squarer size")
     if not low <= width * height <= high:
         raise InputError(f"--image-buckets {width}x{height}: {width * height} pixels, outside the image "
                          f"processor's min_pixels..max_pixels ({low}..{high}), where it would resize "
@@ -222,31 +239,46 @@ def _round(value: int, factor: int) -> int:
 
 
 def default_sizes(factor: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
-    """Square, wide and tall sizes of one token count: the largest square count k*k (at most
-    DEFAULT_MAX_TOKENS, within the pixel limits) with a wide shape a x b (a * b = k * k) whose
-    ratio is within 1.5..2.5; failing that, the largest with any wide shape; the square alone when
-    no count has one."""
+    """The default buckets (see the module docstring): the square of the largest square count
+    k * k up to DEFAULT_MAX_TOKENS within the pixel limits, then wide shapes a x b (each with its
+    tall twin b x a) of at most k * k tokens and at least MIN_FILL of them, chosen from the
+    squarest on (`_wider`) so that every aspect ratio up to DEFAULT_RATIO is within
+    MAX_DISTORTION of one; where the token count is too small for that (a few tokens a side),
+    the nearest shapes there are, leaving gaps (`Buckets.kept_within` says how wide)."""
     cell = factor * factor
     counts = [k for k in range(int(math.isqrt(DEFAULT_MAX_TOKENS)), 0, -1)
               if low <= k * k * cell <= high]
     if not counts:
         raise InputError(f"the image processor's pixel limits ({low}..{high}) hold no square of "
                          f"{factor}-pixel cells: give --image-buckets")
-    for near_enough in (True, False):
-        for k in counts:
-            wide = _wide(k * k, near_enough)
-            if wide is not None:
-                a, b = wide
-                return (k * factor, k * factor), (a * factor, b * factor), (b * factor, a * factor)
     k = counts[0]
-    return ((k * factor, k * factor),)
+    most = k * k
+    shapes = [(a, b) for b in range(1, k + 1) for a in range(b + 1, most // b + 1)
+              if a * b >= max(MIN_FILL * most, low / cell) and a / b <= RATIO_LIMIT]
+    wide, reach = [], 1 + MAX_DISTORTION  # aspect ratios up to reach are kept within the limit
+    while reach < DEFAULT_RATIO:
+        shape = _wider(shapes, wide[-1] if wide else (k, k), reach)
+        if shape is None:
+            break
+        wide.append(shape)
+        reach = shape[0] / shape[1] * (1 + MAX_DISTORTION)
+    sizes = [(k * factor, k * factor)]
+    for a, b in wide:
+        sizes += [(a * factor, b * factor), (b * factor, a * factor)]
+    return tuple(sizes)
 
 
-def _wide(count: int, near_enough: bool) -> tuple[int, int] | None:
-    """(a, b), a > b, a * b = count, the ratio nearest WIDE_RATIO (within 1.5..2.5 if near_enough)."""
-    pairs = [(count // b, b) for b in range(1, math.isqrt(count) + 1) if count % b == 0 and count // b > b]
-    if near_enough:
-        pairs = [(a, b) for a, b in pairs if 1.5 <= a / b <= 2.5]
-    if not pairs:
+def _wider(shapes: list[tuple[int, int]], last: tuple[int, int], reach: float) -> tuple[int, int] | None:
+    """The next wide shape after `last`, where the ratios up to `reach` are kept: of the shapes
+    that keep the ratio `reach` within the limit, the widest among those of nearly the most tokens
+    (within MAX_DISTORTION of it); where none does (a gap), the squarest wider than that."""
+    limit = reach * (1 + MAX_DISTORTION)
+    keeping = [s for s in shapes if last[0] / last[1] < s[0] / s[1] <= limit]
+    if keeping:
+        most = max(a * b for a, b in keeping)
+        near = [s for s in keeping if s[0] * s[1] >= most * (1 - MAX_DISTORTION)]
+        return max(near, key=lambda s: (s[0] / s[1], s[0] * s[1]))
+    beyond = [s for s in shapes if s[0] / s[1] > limit]
+    if not beyond:
         return None
-    return min(pairs, key=lambda p: abs(math.log(p[0] / p[1] / WIDE_RATIO)))
+    return min(beyond, key=lambda s: (s[0] / s[1], -s[0] * s[1]))

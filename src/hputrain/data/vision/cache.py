@@ -22,9 +22,10 @@ from ..token_store import Ragged, made_once, read_arrays, write_arrays
 from .encode import ImageExample, ImageStats
 from .rows import SavedImage
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 ARRAYS = ("input_ids", "input_ids.offsets", "labels", "labels.offsets", "buckets", "buckets.offsets",
-          "images_end", "where", "where.offsets", "refs", "refs.offsets", "ref_kinds", "stats")
+          "images_end", "where", "where.offsets", "refs", "refs.offsets", "ref_kinds", "stats",
+          "distortion")
 PATH, BYTES, SAVED = 0, 1, 2
 """How an image reference is stored (ref_kinds): a path (UTF-8), the image's bytes, a
 rows.SavedImage (its fields as JSON)."""
@@ -39,6 +40,7 @@ class CachedExamples(Sequence):
         """Each example's images' buckets (offsets: where each example's images start)."""
         self.refs, self.ref_kinds = Ragged.read(arrays, "refs"), arrays["ref_kinds"]
         self.where, self.images_end = Ragged.read(arrays, "where"), arrays["images_end"]
+        self.distortion = arrays["distortion"]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -50,7 +52,8 @@ class CachedExamples(Sequence):
         first, last = int(self.buckets.offsets[i]), int(self.buckets.offsets[i + 1])
         refs = [_ref(self.refs[k].tobytes(), int(self.ref_kinds[k])) for k in range(first, last)]
         return ImageExample(self.ids[i], self.labels[i], refs, self.buckets[i].tolist(),
-                            int(self.images_end[i]), self.where[i].tobytes().decode())
+                            int(self.images_end[i]), self.where[i].tobytes().decode(),
+                            float(self.distortion[i]))
 
 
 def cached_split(cache_dir: str | Path, source_key: str, fmt: str, processing, options,
@@ -108,6 +111,7 @@ def _write(folder: Path, made) -> None:
         **_bytes([e.where.encode() for e in examples]).arrays("where"),
         **_bytes([stored for stored, _ in refs]).arrays("refs"),
         "ref_kinds": np.asarray([kind for _, kind in refs], dtype=np.int8),
+        "distortion": np.asarray([e.distortion for e in examples], dtype=np.float32),
         "stats": np.asarray([stats.rows, stats.examples, stats.nothing_to_learn, stats.images],
                             dtype=np.int64)})
 
@@ -120,7 +124,8 @@ def _read(folder: Path):
     examples = CachedExamples(arrays)
     count = len(examples)
     whole = (len(examples.labels) == len(examples.buckets) == len(examples.where)
-             == len(examples.images_end) == count and arrays["stats"].shape == (4,)
+             == len(examples.images_end) == len(examples.distortion) == count
+             and arrays["stats"].shape == (4,)
              and np.array_equal(examples.ids.offsets, examples.labels.offsets)
              and len(examples.refs) == len(examples.ref_kinds) == examples.buckets.offsets[-1]
              and examples.ids.offsets[-1] == len(examples.ids.values)

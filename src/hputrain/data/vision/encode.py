@@ -49,6 +49,8 @@ class ImageExample:
     least this much of the example."""
     where: str = ""
     """The row, as errors name it ("--dataset FILE line N")."""
+    distortion: float = 0.0
+    """The most one of its images' aspect ratio changes in its bucket (Buckets.distortion)."""
 
 
 @dataclass
@@ -198,7 +200,8 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     naming the row (`where`)."""
     messages, completion, values = conversation(row, fmt, where)
     refs = [image_ref(value, folder, where) for value in values]
-    buckets = choose_buckets(refs, processing, where)
+    sizes = [image_size(ref, where) for ref in refs]
+    buckets = choose_buckets(refs, processing, where, sizes)
     chat = processing.template()
     prompt_completion = len(completion) < len(messages)
     only = completion_only_loss if prompt_completion else assistant_only_loss
@@ -221,7 +224,8 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
         return None
     image_at = np.flatnonzero(input_ids == processing.image_token_id)
     end = _images_end(offsets, origin, image_at)
-    return ImageExample(input_ids, labels, refs, buckets, end, where)
+    distortion = max((processing.buckets.distortion(*size, b) for size, b in zip(sizes, buckets)), default=0.0)
+    return ImageExample(input_ids, labels, refs, buckets, end, where, distortion)
 
 
 def encode_prompt(messages: list[dict], refs: list[ImageRef], processing: Processing,
@@ -235,9 +239,12 @@ def encode_prompt(messages: list[dict], refs: list[ImageRef], processing: Proces
     return expanded_tokens(text, processing, buckets, where)[0], buckets
 
 
-def choose_buckets(refs: list[ImageRef], processing: Processing, where: str) -> list[int]:
-    """Each image's pixel bucket: the one nearest its shape as shown (rows.image_size)."""
-    return [processing.buckets.choose(*image_size(ref, where)) for ref in refs]
+def choose_buckets(refs: list[ImageRef], processing: Processing, where: str,
+                   sizes: list[tuple[int, int]] | None = None) -> list[int]:
+    """Each image's pixel bucket: the one nearest its shape as shown (rows.image_size, unless
+    `sizes` gives them)."""
+    sizes = sizes if sizes is not None else [image_size(ref, where) for ref in refs]
+    return [processing.buckets.choose(*size) for size in sizes]
 
 
 def expanded_tokens(text: str, processing: Processing, buckets: list[int],
@@ -250,10 +257,11 @@ def expanded_tokens(text: str, processing: Processing, buckets: list[int],
     input_ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     found = int((input_ids == processing.image_token_id).sum())
-    if found != len(buckets) * processing.buckets.tokens:
-        raise InputError(f"{where}: the expanded conversation holds {found} image tokens, not "
-                         f"{len(buckets)} image(s) x {processing.buckets.tokens}: a message's text "
-                         "holds the model's image token")
+    expected = sum(processing.buckets.counts[b] for b in buckets)
+    if found != expected:
+        raise InputError(f"{where}: the expanded conversation holds {found} image tokens, not the "
+                         f"{expected} of its {len(buckets)} image(s): a message's text holds the "
+                         "model's image token")
     return input_ids, offsets, origin
 
 

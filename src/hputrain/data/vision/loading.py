@@ -95,6 +95,7 @@ def load_image_data(path: str, fmt: str, processing, block_size: int, options,
     layout = BlockLayout(processing, choose_slots(options, kept, kept_held, block_size))
     arrange = blocks.pack_images if options.packing else blocks.unpacked_images
     made, stats = arrange(layout, train, kept, block_size)
+    stats.slots_given = getattr(options, "image_slots", None) is not None
     if not len(made):
         raise InputError(f"--dataset {path}: no example is left to train on (every one has nothing "
                          "to learn within --block-size tokens)")
