@@ -22,7 +22,14 @@ Issue 47 adds the level "vlm_real" ("vlm x real template"): the same tiny LLaVA 
 template llava-hf/llava-1.5-7b-hf ships (tests/chat_templates/llava-1.5-7b-hf.jinja: it prints
 only parts of type "text" and writes no end of turn), trained on rows as users' files hold them:
 plain string contents, a system prompt, rows with two images, one or none (vlm_fixtures.
-string_rows); on issue 46's main every such row was dropped."""
+string_rows); on issue 46's main every such row was dropped.
+
+Issue 47 also adds "moe × ep × accumulation": the processes level "ep2" (fsdp over 2 processes
+with --expert-parallel-size 2: a mixture of experts only) and the factor "accumulation" ("acc1",
+left out of a name, or "acc2": --gradient-accumulation-steps 2). LATER_LEVELS are new levels of
+existing factors and new factors: every case chosen before them keeps its levels (acc1, never
+ep2) and its name, and a last greedy pass, started from LATER_CASES, adds the cases until every
+tuple with a later level is covered too."""
 from __future__ import annotations
 
 import functools
@@ -48,8 +55,17 @@ FACTORS = {
     # issue 41: a vision-language model on image data; issue 47: the same with a published
     # model's own chat template, on string contents
     "model": ("dense", "moe", "vlm", "vlm_real"),
+    # issue 47: a step of two micro-batches (last, so that the names before it stay)
+    "accumulation": ("acc1", "acc2"),
 }
-UNNAMED = {NA, "dense"}  # levels a case's name leaves out
+# issue 47's "moe × ep × accumulation": fsdp with --expert-parallel-size 2 ("ep2", last of the
+# processes levels, so that the greedy choice ranks the levels before it as before)
+FACTORS["processes"] = (*FACTORS["processes"], "ep2")
+UNNAMED = {NA, "dense", "acc1"}  # levels a case's name leaves out
+LATER_LEVELS = {("processes", "ep2"), ("accumulation", "acc2")}
+"""Levels added after the model levels' passes (the module docstring)."""
+EARLIER = {"accumulation": "acc1"}
+"""What a case written before the accumulation factor (ISSUE_CASES, LEVEL_CASES) has of it."""
 VLM_LEVELS = ("vlm", "vlm_real")  # the model levels of an image-text-to-text model
 
 # Pairs refused by design (each is tested for its one-line error, exit 2): left out of the table.
@@ -59,7 +75,12 @@ REFUSED_PAIRS = {frozenset({("mode", "lazy"), ("processes", "fsdp2")}),
                  # preference pairs are encoded whole (a reference pass over them), never streamed
                  frozenset({("method", "dpo"), ("source", "stream")}),
                  # issue 32: prompts are read whole
-                 frozenset({("method", "grpo"), ("source", "stream")})}
+                 frozenset({("method", "grpo"), ("source", "stream")}),
+                 # issue 47: expert parallelism is fsdp's (eager or compile), on a model with
+                 # experts, and not on an image-text-to-text model's
+                 frozenset({("mode", "lazy"), ("processes", "ep2")}),
+                 *(frozenset({("processes", "ep2"), ("model", level)})
+                   for level in ("dense", "vlm", "vlm_real"))}
 
 # The combinations issue 30 found broken, run first whatever the covering array picks.
 ISSUE_CASES = (
@@ -86,6 +107,14 @@ LEVEL_CASES = {"vlm": (
     "vlm_real": (
     dict(method="chat", adapters="lora", packing="packed", processes="1proc", mode="eager",
          validation="val", reference=NA, precision="fp32", source="file", model="vlm_real"),)}
+
+# issue 47: the first case of the later levels is "moe × ep × accumulation" itself: SFT on a
+# mixture of experts, its router's loss on, fsdp with the experts split over the 2 processes,
+# two micro-batches a step, and a validation split that leaves rank 1 without a batch
+LATER_CASES = (
+    dict(method="chat", adapters="full", packing="packed", processes="ep2", mode="eager",
+         validation="val", reference=NA, precision="fp32", source="file", model="moe",
+         accumulation="acc2"),)
 
 
 def allowed(case: dict) -> bool:
@@ -144,14 +173,17 @@ def covering_cases(strength: int = 2, required=ISSUE_CASES) -> list[dict]:
 def _cover(strength: int, required: tuple) -> tuple:
     candidates = [dict(zip(FACTORS, levels)) for levels in itertools.product(*FACTORS.values())]
     candidates = [case for case in candidates if allowed(case)]
-    chosen = _greedy([case for case in candidates if case["model"] == "dense"], strength, required,
-                     [name for name in FACTORS if name != "model"])
+    earlier = [case for case in candidates if not LATER_LEVELS & set(case.items())]
+    before = [name for name in FACTORS if name not in EARLIER]  # the factors before issue 47's
+    chosen = _greedy([case for case in earlier if case["model"] == "dense"], strength,
+                     [EARLIER | case for case in required], [name for name in before if name != "model"])
     # the dense cases hold every tuple with "dense" (each tuple of the other factors is in them);
     # each further model level adds its own cases after those of the levels before it
     for level in FACTORS["model"][1:]:
-        chosen = _greedy([case for case in candidates if case["model"] == level], strength,
-                         [*chosen, *LEVEL_CASES.get(level, ())], list(FACTORS))
-    return tuple(chosen)
+        chosen = _greedy([case for case in earlier if case["model"] == level], strength,
+                         [*chosen, *(EARLIER | case for case in LEVEL_CASES.get(level, ()))], before)
+    # issue 47's levels: their own cases, after all of those
+    return tuple(_greedy(candidates, strength, [*chosen, *LATER_CASES], list(FACTORS)))
 
 
 @functools.cache
@@ -236,8 +268,11 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
     flags += ["--router-aux-loss-coef", "0.02"] if case["model"] == "moe" else []
     flags += ["--lora-r", "4"] if case["adapters"] == "lora" else []
     flags += ["--no-packing"] if case["packing"] == "unpacked" else []
-    if case["processes"] != "1proc":
+    if case["processes"] == "ep2":  # fsdp over 2 processes, the experts split over both
+        flags += ["--devices", "2", "--strategy", "fsdp", "--expert-parallel-size", "2"]
+    elif case["processes"] != "1proc":
         flags += ["--devices", "2", "--strategy", case["processes"].removesuffix("2")]
+    flags += ["--gradient-accumulation-steps", "2"] if case["accumulation"] == "acc2" else []
     flags += ["--execution-mode", case["mode"]]
     flags += ["--validation-split-percentage", "8" if case["validation"] == "val" else "0"]
     flags += {"ref_model": ["--ref-model", ref_model],
@@ -305,6 +340,17 @@ REFUSED = (
     Refusal("stream+vlm", "chat", ("--streaming",),
             "hputrain: error: --streaming reads text shards; an image-text-to-text model's data is "
             "read whole: leave out --streaming", processes=False, model="vlm"),
+    # issue 47: the "ep2" level beside the models without experts and lazy mode
+    Refusal("ep2+dense", "chat", ("--devices", "2", "--strategy", "fsdp", "--expert-parallel-size", "2"),
+            "hputrain: error: expert_parallel_size=2 splits a mixture-of-experts model's experts, "
+            "and {model} (llama) has none: set expert_parallel_size=1", processes=False),
+    Refusal("ep2+vlm", "chat", ("--devices", "2", "--strategy", "fsdp", "--expert-parallel-size", "2"),
+            "hputrain: error: expert parallelism on an image-text-to-text model is not supported: "
+            "set expert_parallel_size=1", processes=False, model="vlm"),
+    Refusal("lazy+ep2", "chat", ("--devices", "2", "--strategy", "fsdp", "--expert-parallel-size", "2",
+                                 "--execution-mode", "lazy"),
+            "hputrain: error: strategy='fsdp' runs in eager or compile mode, not lazy: set "
+            "execution_mode='eager' or 'compile'", processes=True, model="moe"),
 )
 
 
@@ -313,7 +359,7 @@ def refusal_flags(refusal: Refusal, inputs: Inputs) -> tuple[list[str], str]:
     vlm = refusal.model == "vlm"  # its own image data where it has some (SFT rows)
     dataset = (inputs.vlm_datasets if vlm and refusal.method in inputs.vlm_datasets
                else inputs.datasets)[refusal.method]
-    model = inputs.vlm_model if vlm else inputs.model
+    model = {"vlm": inputs.vlm_model, "moe": inputs.moe_model}.get(refusal.model, inputs.model)
     flags = [f.format(ref_model=inputs.ref_model, reward_funcs=inputs.reward_funcs)
              for f in refusal.flags]
     argv = ["--model", model, "--dataset", dataset, *COMMON, "--validation-split-percentage",

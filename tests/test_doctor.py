@@ -20,6 +20,9 @@ from hputrain.models.gpt import GPT, GPTConfig
 from hputrain.rehearsal.doctor import DoctorFinished, diagnose, walk_run_batches
 from hputrain.rehearsal.shapes import MAX_SHAPES, take_census
 
+from .hf_fixtures import write_text_file
+from .moe_fixtures import mixtral_folder  # noqa: F401  (fixture)
+
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 
 
@@ -46,6 +49,38 @@ def test_doctor_clean_script_has_no_findings(tmp_path):
     assert report["compiles_per_step"][2:] == [0, 0, 0, 0]
     assert report["host_syncs_per_step"] == [0] * 6  # the trainer's logging every 2 steps is not a sync
     assert not list(tmp_path.iterdir())  # the script's output_dir was redirected
+
+
+def test_doctor_rehearses_one_rank_of_a_run_that_asks_for_two_processes(tmp_path):
+    """devices=2: the Trainer started two processes of the script and ended; they trained the
+    whole run without the doctor (checkpoints written), which then said it trained no step."""
+    report = doctor(tmp_path, "devices")
+    assert report["steps"] == 6 and report["findings"] == []
+    assert report["notes"][0] == ("the run asks for 2 processes (devices × num_nodes): rehearsed "
+                                  "as one, rank 0 alone (the lazy dry run is one process); no "
+                                  "process was started")
+    assert not list(tmp_path.iterdir())  # nothing written: no checkpoint, no final/
+
+
+@pytest.mark.slow  # `hputrain train` of a tiny Mixtral rehearsed in lazy mode, ~40 s
+def test_doctor_on_hputrain_train_with_two_devices_rehearses_one_rank(mixtral_folder, tmp_path):
+    """`hputrain train --devices 2` starts its processes before any Trainer exists (the recipe
+    does, so that no process holds the model whole): it ran the real job to its end, writing
+    checkpoints and final/, then the doctor said it trained no step."""
+    pytest.importorskip("transformers")
+    data, out = write_text_file(tmp_path / "text.txt", lines=60), tmp_path / "run"
+    hputrain = str(Path(sys.executable).parent / "hputrain")
+    proc = subprocess.run([sys.executable, "-m", "hputrain.cli", "doctor", "--steps", "3", "--json",
+                           hputrain, "train", "--model", str(mixtral_folder), "--dataset", str(data),
+                           "--devices", "2", "--block-size", "32", "--max-steps", "20",
+                           "--save-steps", "2", "--precision", "32", "--output-dir", str(out),
+                           "--validation-split-percentage", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["steps"] == 3 and report["notes"][0].startswith("the run asks for 2 processes")
+    written = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not [name for name in written if name.startswith("checkpoint-") or name == "final"]
 
 
 def test_doctor_finds_item_in_forward(tmp_path):

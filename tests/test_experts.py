@@ -258,6 +258,79 @@ def test_the_fixed_shape_form_is_exact_for_any_tile(tile):
                                per_expert_loop(x, weight, offsets), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("routing", ["balanced", "one expert", "one row each but one"])
+@pytest.mark.parametrize("rows,experts", [(32768, 128), (40960, 16), (48, 8), (5, 4)])
+def test_the_fixed_shape_form_multiplies_at_most_a_tile_an_expert_beyond_its_rows(rows, experts, routing):
+    """Issue 47 item 3: the tiles hold any routing (a row's product is its own expert's), and
+    their rows are at most R + E·tile (1.25·R + E while the tile, ceil(R/4E), is under 256; the
+    old form's tile of R/E made about 2·R + E): sizes.py's count, checked on the layout the form
+    builds for the worst routings: every row on one expert, and every expert with one row (each
+    a part-filled tile)."""
+    from hputrain.execution.experts import grouped
+    from hputrain.execution.experts.sizes import tile_count, tile_rows
+
+    if routing == "balanced":
+        counts = [rows // experts + (e < rows % experts) for e in range(experts)]
+    elif routing == "one expert":
+        counts = [0] * (experts - 1) + [rows]
+    else:
+        counts = [1] * (experts - 1) + [rows - experts + 1]
+    offsets = torch.cumsum(torch.tensor(counts), 0)
+    tile = tile_rows(rows, experts)
+    layout = grouped._TileLayout(offsets, rows, experts, tile)
+    assert layout.tiles == tile_count(rows, experts, tile) and tile <= 256
+    assert layout.tiles * tile <= rows + experts * tile
+    if tile < 256:
+        assert layout.tiles * tile <= 1.25 * rows + experts
+    assert int(layout.valid.sum()) == rows  # every row in a tile, once
+    assert sorted(layout.source[layout.valid].tolist()) == list(range(rows))
+    owner = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    assert torch.equal(layout.expert.unsqueeze(1).expand_as(layout.valid)[layout.valid][
+        torch.argsort(layout.source[layout.valid])], owner)  # each row with its own expert
+
+
+def test_no_tile_keeps_a_copy_of_an_experts_matrix():
+    """Issue 47 item 3: the tiles' matrices are gathered at most CHUNK_TILES at a time (never one
+    for every tile at once: 1.6 GB for Qwen3-30B-A3B's gate_up a layer), and none is kept for
+    backward; the weight gradient equals a loop over the experts'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hputrain.execution.experts.grouped import CHUNK_TILES
+
+    g = torch.Generator().manual_seed(0)
+    rows, experts, width = 600, 4, 8
+    x = torch.randn(rows, width, generator=g).requires_grad_()
+    weight = torch.randn(experts, width, 6, generator=g).requires_grad_()
+    offsets = torch.cumsum(torch.tensor([100, 0, 350, 150]), 0)
+
+    class Gathers(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index_select.default and args[0].dim() == 3:
+                self.largest = max(self.largest, out.size(0))
+            return out
+
+    saved = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with Gathers() as gathers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fixed_shape_grouped_mm(x, weight, offsets, tile=8)  # 76 tiles
+        grad = torch.autograd.grad(out, (x, weight), torch.ones_like(out))
+    assert 0 < gathers.largest <= CHUNK_TILES
+    assert not [shape for shape in saved if len(shape) == 3 and shape[1:] == (width, 6) and shape[0] != experts]
+    expected = per_expert_loop(x, weight, offsets)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad[1], torch.autograd.grad(expected, weight, torch.ones_like(out))[0],
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_the_up_and_down_products_share_one_tile_layout(monkeypatch):
     """The fixed-shape form lays the sorted rows out in tiles once per buffer, not per product."""
     from hputrain.execution.experts import grouped

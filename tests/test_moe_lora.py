@@ -223,3 +223,67 @@ def test_with_its_adapters_disabled_a_model_with_lora_on_the_experts_is_the_base
         torch.testing.assert_close(logits(model), logits(load(folder)), atol=1e-6, rtol=0)
     torch.testing.assert_close(logits(model), with_adapters, atol=0, rtol=0)
     assert all(param.requires_grad == ("lora_" in name) for name, param in model.named_parameters())
+
+
+# -- issue 47, item 10: LoRA on the experts in lazy mode ------------------------------------------
+
+def _step(model, device, forward_context, checkpointed: bool = False):
+    """(loss, the adapters' gradients) of one forward and backward of `model` on `device`, the
+    forward under `forward_context` (the accelerator's), with the blocks checkpointed as the
+    run's --gradient-checkpointing does (recomputed in backward, outside that context)."""
+    from hputrain.config.sections import ActivationCheckpointing
+    from hputrain.distributed.activation_checkpointing import apply_activation_checkpointing
+
+    model.train()
+    if checkpointed:
+        apply_activation_checkpointing(model, ActivationCheckpointing(
+            gradient_checkpointing=True, gradient_checkpointing_every=1, fsdp_block_classes=None))
+    model.to(device)
+    ids = IDS.to(device)
+    with forward_context():  # the router's loss off: the run computes it beside the model
+        loss = model(input_ids=ids, labels=ids, output_router_logits=False).loss
+    loss.backward()
+    if device.type == "lazy":
+        torch._lazy.mark_step()
+    return loss.detach().cpu(), {name: param.grad.cpu() for name, param in model.named_parameters()
+                                 if param.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_lora_on_the_experts_trains_in_lazy_mode_as_in_eager(mixtral_folder, checkpointed):  # noqa: F811
+    """PEFT's parameter LoRA opens `torch.autocast(device_type="lazy", enabled=False)` around its
+    fold of the adapters into the experts' weights; torch has no autocast for the lazy device,
+    and the run was refused with a line blaming transformers' rotary embeddings. A disabled
+    autocast asks for nothing: the lazy step is eager's, recomputed blocks included."""
+    from hputrain.accelerators.cpu import CPUAccelerator
+    from hputrain.execution.kernels import substitute
+
+    results = []
+    for accelerator in (CPUAccelerator("eager"), CPUAccelerator("lazy")):
+        model = shaken(add_lora(load(mixtral_folder), options(lora_target_modules=["q_proj", "experts"])))
+        substitute(model, accelerator, True)  # the static experts, as the run has them
+        device = accelerator.setup()
+        results.append(_step(model, device, accelerator.forward_context, checkpointed))
+    (loss, grads), (lazy_loss, lazy_grads) = results
+    assert any(".experts." in name for name in grads) and grads.keys() == lazy_grads.keys()
+    torch.testing.assert_close(lazy_loss, loss, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(lazy_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_an_autocast_the_lazy_backend_cannot_run_is_one_line_naming_its_code():
+    """An enabled autocast on the lazy device (torch has none there) is refused in one line that
+    names the code opening it, not transformers' rotary embeddings."""
+    from hputrain.accelerators.cpu import CPUAccelerator
+    from hputrain.errors import InputError
+
+    accelerator = CPUAccelerator("lazy")
+    x = torch.ones(2, 2, device=accelerator.setup())
+    with pytest.raises(InputError) as refused:
+        with accelerator.forward_context():
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                x + 1
+    line = str(refused.value)
+    assert "\n" not in line and "transformers" not in line
+    assert line.startswith("lazy mode on the CPU cannot run this model: test_moe_lora.py:")
+    assert torch.autocast is torch.amp.autocast_mode.autocast  # put back

@@ -1,4 +1,4 @@
-"""A small training script for `hputrain doctor`, with a switch for each kind of problem."""
+"""A small training script for `hputrain doctor`, a switch for each kind of problem (or "devices")."""
 import sys
 
 import torch
@@ -37,7 +37,8 @@ def data(problem, n=64):
 def main(problem):
     torch.manual_seed(0)
     args = TrainingArguments(output_dir="doctor-should-not-write-here", max_steps=50, logging_steps=2,
-                             per_device_train_batch_size=4, learning_rate=1e-3, save_steps=5)
+                             per_device_train_batch_size=4, learning_rate=1e-3, save_steps=5,
+                             devices=2 if problem == "devices" else 1)  # devices: two processes
     trainer = Trainer(Model(problem), args, train_dataset=data(problem), eval_dataset=data("clean", 8))
     if problem != "swallow":
         trainer.train()

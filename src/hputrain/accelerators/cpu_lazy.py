@@ -34,6 +34,10 @@ simple, so that what `hputrain doctor` reports is the user's, not the backend's:
   whether the two share one input, and so the graph's hash. Left alone, a step that zeroes a
   scalar compiles again from time to time (it changed with PYTHONHASHSEED); the zero is made on
   the host and copied over instead, a fixed value as the trainer's own scalars are.
+- torch has no autocast for the lazy device: even a disabled one (`torch.autocast("lazy",
+  enabled=False)`, which PEFT's LoRA on parameters opens in every forward) fails. While the
+  forward runs, a disabled one there does nothing (_DisabledAutocast); an enabled one is one line
+  naming the code that opens it.
 
 The gaps not routed around are listed in BACKEND_FALLBACKS; the doctor leaves them out of its
 findings and says so.
@@ -75,7 +79,18 @@ BACKEND_FALLBACKS = {
 
 class LazyBackendGaps(TorchFunctionMode):
     """Entered around the forward pass: replaces the view ops, attention, indexing and scalar
-    zeros described above."""
+    zeros described above, and, while it is on, torch.autocast with _DisabledAutocast (a class
+    cannot be replaced as a function is). A mode, not a context: a checkpointed block's
+    recomputation in backward enters it again (distributed/activation_checkpointing.py)."""
+
+    def __enter__(self):
+        self._saved = [*getattr(self, "_saved", []), (torch.autocast, torch.amp.autocast)]
+        torch.autocast = torch.amp.autocast = _DisabledAutocast
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.autocast, torch.amp.autocast = self._saved.pop()
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,28 +100,59 @@ class LazyBackendGaps(TorchFunctionMode):
 
 @contextlib.contextmanager
 def lazy_forward():
-    """The forward pass on the lazy backend: its gaps routed around (LazyBackendGaps), and the one
-    gap that cannot be, a model that opens `torch.autocast` on the lazy device (torch has no
-    autocast for it; transformers before 5.0 does so in every rotary embedding, even disabled),
-    said in one line instead of torch's "unsupported scalarType"."""
+    """The forward pass on the lazy backend: its gaps routed around (LazyBackendGaps), a disabled
+    `torch.autocast` on the lazy device taken as the nothing it asks for (_DisabledAutocast), and
+    the one gap that cannot be, an enabled autocast there, said in one line naming the code that
+    opens it instead of torch's "unsupported scalarType"."""
     try:
         with LazyBackendGaps():
             yield
     except RuntimeError as error:
-        if not _raised_in_autocast(error):
+        opener = _autocast_opener(error)
+        if opener is None:
             raise
-        raise InputError("lazy mode on the CPU cannot run this model: it opens torch.autocast on "
-                         "the lazy device, which torch does not support (transformers before 5.0 "
-                         "does so in its rotary embeddings): upgrade transformers to >= 5.0 to "
-                         "rehearse it, or use --execution-mode eager") from None
+        raise InputError(f"lazy mode on the CPU cannot run this model: {opener} opens torch.autocast "
+                         "on the lazy device, which torch has no autocast for (Gaudi's lazy mode "
+                         "has): use --execution-mode eager to train it on the CPU") from None
 
 
-def _raised_in_autocast(error: BaseException) -> bool:
-    frame = error.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    return frame is not None and frame.tb_frame.f_code.co_filename.endswith(
-        ("amp/autocast_mode.py", "amp\\autocast_mode.py"))
+class _DisabledAutocast(torch.autocast):
+    """torch.autocast, whose disabled form on the lazy device does nothing. torch has no autocast
+    for the lazy device, so even `autocast("lazy", enabled=False)`, which asks for nothing (no
+    autocast is on there), fails with "unsupported scalarType". PEFT's LoRA on parameters
+    (target_parameters: LoRA on the experts) opens one in every forward, around its fold of the
+    adapters into the weight (peft/tuners/lora/layer.py's _LoraFactorsProxy), and transformers
+    before 5.0 in every rotary embedding."""
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        self._nothing = device_type == "lazy" and not enabled
+        if not self._nothing:
+            super().__init__(device_type, dtype, enabled, cache_enabled)
+
+    def __enter__(self):
+        return self if self._nothing else super().__enter__()
+
+    def __exit__(self, *exc):
+        return False if self._nothing else super().__exit__(*exc)
+
+
+def _autocast_opener(error: BaseException) -> str | None:
+    """The code that opened the torch.autocast `error` was raised in (a library's path from its
+    package, or the file's name, and the line), or None where it was not raised in autocast."""
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    names = [f.f_code.co_filename.replace("\\", "/") for f in frames]
+    if not names or not names[-1].endswith("amp/autocast_mode.py"):
+        return None
+    callers = [(name, f) for name, f in zip(names, frames)
+               if not name.endswith(("amp/autocast_mode.py", "accelerators/cpu_lazy.py"))]
+    if not callers:
+        return "the model"
+    name, frame = callers[-1]
+    where = name.split("site-packages/")[-1] if "site-packages/" in name else name.rsplit("/", 1)[-1]
+    return f"{where}:{frame.f_lineno}"
 
 
 def _unbind(tensor, dim=0):

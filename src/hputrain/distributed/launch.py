@@ -407,9 +407,16 @@ def env_int(name: str, default: int | None = None) -> int | None:
         raise InputError(f"{name} must be a whole number, got {value!r}") from None
 
 
+ONE_PROCESS = "HPUTRAIN_ONE_PROCESS"
+"""Set by `hputrain doctor` while it rehearses a script (its lazy dry run is one process): a run
+that asks for more than one process runs as this one, rank 0 of one, and starts none."""
+
+
 def needs_launch(devices: int, num_nodes: int) -> bool:
-    """More than one process was asked for, and this process was not started by a launcher."""
-    return devices * num_nodes > 1 and "LOCAL_RANK" not in os.environ
+    """More than one process was asked for, and this process was not started by a launcher (nor
+    asked to stay one: ONE_PROCESS)."""
+    return (devices * num_nodes > 1 and "LOCAL_RANK" not in os.environ
+            and not os.environ.get(ONE_PROCESS))
 
 
 def relaunch_current_program(devices: int, num_nodes: int) -> int:

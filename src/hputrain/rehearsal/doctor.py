@@ -41,6 +41,7 @@ from pathlib import Path
 from ..accelerators.cpu_lazy import HostReads, lazy_counters
 from ..callbacks import Callback, added_to_every_trainer
 from ..data.batching import LoaderOptions, PadToBuckets, default_collate
+from ..distributed.launch import ONE_PROCESS
 from ..errors import InputError
 from .doctor_experts import ExpertsWatch
 from .doctor_grpo import is_rollouts, keep_completions_in, walk_rollouts
@@ -64,6 +65,7 @@ class DoctorWatch(Callback):
         self.steps, self.output_dir, self.reads = steps, output_dir, reads
         self.records: list[dict] = []
         self.run_shapes: RunShapes | None = None
+        self.processes = 1  # what the run asked for (devices × num_nodes); one is rehearsed
         self._before: dict[str, int] = {}
         self._ended: dict[str, int] = {}  # the counters when the last step ended
         self._reads_before = 0
@@ -72,6 +74,7 @@ class DoctorWatch(Callback):
         return self.output_dir
 
     def on_train_begin(self, trainer) -> None:
+        self.processes = trainer.args.devices * trainer.args.num_nodes
         keep_completions_in(trainer, self.output_dir)
         if self.run_shapes is None:  # a second train() of the same trainer walks nothing new
             self.run_shapes = walk_run_batches(trainer)
@@ -161,8 +164,14 @@ class TrainerRehearsal(Rehearsal):
         self._hook.__exit__(*exc)
 
     def report(self, warmup: int, experts=()) -> dict:
-        return diagnose(self.records, warmup, self.reads,
-                        _widest(w.run_shapes for w in self.watches if w.records), experts)
+        found = diagnose(self.records, warmup, self.reads,
+                         _widest(w.run_shapes for w in self.watches if w.records), experts)
+        processes = max((w.processes for w in self.watches if w.records), default=1)
+        if processes > 1:
+            found["notes"].insert(0, f"the run asks for {processes} processes (devices × "
+                                  "num_nodes): rehearsed as one, rank 0 alone (the lazy dry run "
+                                  "is one process); no process was started")
+        return found
 
 
 def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
@@ -174,7 +183,8 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
     gaudi = real_gaudi_present()
     os.environ["HPUTRAIN_ACCELERATOR"] = "cpu"
     reads = HostReads(locate=sync_site)
-    with tempfile.TemporaryDirectory(prefix="hputrain-doctor-") as output_dir, StandIn() as runtime:
+    with (tempfile.TemporaryDirectory(prefix="hputrain-doctor-") as output_dir, StandIn() as runtime,
+          _one_process()):
         trainer = TrainerRehearsal(steps, reads, output_dir)
         hf = HFRehearsal(steps, reads, runtime)
         paths = [trainer, hf]
@@ -196,6 +206,22 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
         report["notes"].insert(0, f"started as one rank of WORLD_SIZE={runtime.ranks}: rehearsed as "
                                "rank 0 alone (DistributedDataParallel as the bare module)")
     return report
+
+
+@contextlib.contextmanager
+def _one_process():
+    """For the time of the rehearsal, a run that asks for several processes (--devices N) runs as
+    this one (distributed/launch.ONE_PROCESS): left to start them, it ran the real job to its
+    end, checkpoints and final/ written, without the doctor."""
+    saved = os.environ.get(ONE_PROCESS)
+    os.environ[ONE_PROCESS] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ONE_PROCESS, None)
+        else:
+            os.environ[ONE_PROCESS] = saved
 
 
 def _run_script(path: Path, script_args: list[str], reads: HostReads) -> None:

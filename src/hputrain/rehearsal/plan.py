@@ -53,9 +53,10 @@ from ..training.evaluation import loss_of
 from ..training.loss import IGNORE_INDEX
 from ..training.optim import create_optimizer
 from ..training.prepare import prepare_model
+from ..training.router import router_of, token_mask
 from .plan_moe import MoELayout, expert_parallel_stand_ins, grouped_mm_shapes, moe_layout
 from .plan_tracking import (CATEGORIES,  # noqa: F401 (the API)
-                            StepPeak, Trace, breakdown, tracker)
+                            BucketCopies, StepPeak, Trace, breakdown, tracker)
 
 
 
@@ -175,8 +176,12 @@ def plan(step: StepModel, args, target: str, target_bytes: int, *, accelerator,
                   fp8=_fp8(args, target))
     if result.fp8 is not None:
         result.notes.append(result.fp8["note"])
+    refused = _fsdp_refused(args)  # lazy mode: the run answers for itself, fsdp is not offered
+    if refused and ranks > 1:
+        result.notes.append(f"fsdp is not among the changes ({refused})")
     if not result.fits:
-        changes = list(_changes(step, args, offload=not target_is_host(target)))
+        changes = list(_changes(step, args, offload=not target_is_host(target),
+                                fsdp=refused is None))
         # a trace is not started unless one as long as the plan's own would end in the budget
         deadline = start + time_budget - (time.perf_counter() - start)
         result.suggestions = _suggestions(changes, step, args, trace, target_bytes, deadline)
@@ -228,7 +233,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             strategy._shard(reference)  # be moved (.to), and are where the trace runs already
         # the method's own loss (its Objective's), else the model's, called as the Trainer calls it
         loss_fn = (step.objective(reference, model, sharded, args) if step.objective
-                   else lambda module, batch: loss_of(prepared.forward(module, batch)))
+                   else _model_loss(prepared, args))
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
@@ -237,7 +242,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         counting = tracker(model, optimizer, sharded, inputs, backend=backend,
                            offloaded=args.fsdp_cpu_offload, frozen=reference)
         replicated = args.strategy in ("ddp", "fast_ddp", "auto") and ranks > 1  # auto: ddp
-        copies = _BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
+        copies = BucketCopies(counting, model, args.ddp_bucket_cap_mb, args.strategy)
         unpacked = _unpacked_rows(batch) if fake else contextlib.nullcontext()
         with counting, unpacked:
             with precision.forward_context():
@@ -262,48 +267,6 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         traced.breakdown[category] = traced.breakdown.get(category, 0) + nbytes
         traced.peak_bytes += nbytes
     return traced
-
-
-class _BucketCopies:
-    """ddp on a backend that reduces in a copy (gloo): each gradient bucket's copy, from the
-    moment the bucket is full and its all-reduce starts, to the end of backward where DDP waits
-    for them all. Buckets fill in the order gradients become ready (the order DDP rebuilds them
-    in after its first step), the first up to torch's first-bucket size, the others up to
-    ddp_bucket_cap_mb; fast_ddp reduces one flat buffer after backward."""
-
-    def __init__(self, counting, model, cap_mb: int | None, strategy: str) -> None:
-        import torch.distributed as dist
-        from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
-
-        self.counting, self.model, self.handles = counting, model, []
-        self.cap = int((cap_mb or _DEFAULT_BUCKET_CAP_MB) * 2**20)
-        self.limit = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else self.cap
-        if strategy == "fast_ddp":  # one buffer, reduced when backward is over
-            self.cap = self.limit = 2**62
-        self.filling = self.held = 0
-
-    def install(self) -> None:
-        for param in self.model.parameters():
-            if param.requires_grad:
-                self.handles.append(param.register_post_accumulate_grad_hook(self._ready))
-
-    def _ready(self, param) -> None:
-        self.filling += param.numel() * param.element_size()
-        if self.filling >= self.limit:
-            self._reduce()
-
-    def _reduce(self) -> None:
-        self.counting.add_temporary(self.filling)
-        self.held, self.filling, self.limit = self.held + self.filling, 0, self.cap
-
-    def end_of_backward(self) -> None:
-        if not self.handles:
-            return
-        if self.filling:
-            self._reduce()
-        self.counting.add_temporary(-self.held)
-        for handle in self.handles:
-            handle.remove()
 
 
 def _prepare(model, args, group, accelerator):
@@ -334,6 +297,24 @@ def _prepare(model, args, group, accelerator):
             strategy.clip_grad_norm(accelerator, params, args.max_grad_norm)
 
     return prepared, optimizer, precision, clip, strategy
+
+
+def _model_loss(prepared, args):
+    """The model's own loss as the Trainer's step takes it (Trainer._forward): a mixture of
+    experts' router loss computed beside the model by training/router.py, the model called with
+    `output_router_logits=False`. transformers' own, inside the forward, takes a 2-D padding mask
+    only: on a packed block's 4-D mask it ended the plan in a traceback. The router's counts are
+    summed over no other rank here (a process group of one): E + 1 numbers, whatever the world."""
+    from ..distributed.group import ProcessGroup
+
+    router = router_of(prepared.model, args, ProcessGroup(0, 0, 1, "gloo"), prepared.inputs)
+
+    def loss(module, batch):
+        with router.recording(token_mask(batch)):
+            output = prepared.forward(module, batch, **router.forward_kwargs)
+        return router.add_aux_loss(loss_of(output))
+
+    return loss
 
 
 def _frozen(reference, args, accelerator, like_trained: bool = False):
@@ -421,7 +402,10 @@ def _suggestions(changes, step: StepModel, args, trace, target_bytes: int,
         for label, flags in changes:
             if time.perf_counter() > deadline:
                 break
-            step_now, args_now = _apply(step_now, args_now, flags)
+            try:
+                step_now, args_now = _apply(step_now, args_now, flags)
+            except InputError:  # refused on top of the others: left out
+                continue
             labels.append(label)
             all_flags += flags
             if len(labels) == 1:
@@ -437,12 +421,14 @@ def _suggestions(changes, step: StepModel, args, trace, target_bytes: int,
     return sorted(found, key=lambda s: not s["fits"])  # stable: cost order within each
 
 
-def _changes(step: StepModel, args, offload: bool):
+def _changes(step: StepModel, args, offload: bool, fsdp: bool = True):
     """(label, flags) of each change that would lower the peak, cheapest first: the same
     training on the same devices before more devices, and more devices before a different
-    training (LoRA). cpu offload only where the device has a host to offload to."""
+    training (LoRA). cpu offload only where the device has a host to offload to; none of fsdp's
+    where the run's settings refuse it (lazy mode: `fsdp` False), and then no more devices
+    either (under ddp each rank's peak does not fall with more of them)."""
     ranks = args.devices * args.num_nodes
-    if args.strategy != "fsdp" and ranks > 1:
+    if args.strategy != "fsdp" and ranks > 1 and fsdp:
         yield f"fsdp over the {ranks} devices", ["--strategy", "fsdp"]
     if not args.gradient_checkpointing:
         yield "gradient checkpointing", ["--gradient-checkpointing"]
@@ -452,6 +438,9 @@ def _changes(step: StepModel, args, offload: bool):
         yield (f"micro-batch {smaller} with {accumulate} accumulation steps (the same global "
                "batch)", ["--per-device-train-batch-size", str(smaller),
                           "--gradient-accumulation-steps", str(accumulate)])
+    if not fsdp:
+        yield from _lora(step)
+        return
     if offload and ranks > 1 and not args.fsdp_cpu_offload:
         yield ("fsdp with the parameters, gradients and optimizer state in host memory",
                ["--strategy", "fsdp", "--fsdp-cpu-offload"])
@@ -459,6 +448,22 @@ def _changes(step: StepModel, args, offload: bool):
         nodes = args.num_nodes * more
         yield (f"fsdp over {ranks * more} devices ({nodes} nodes of {args.devices})",
                ["--strategy", "fsdp", "--num-nodes", str(nodes)])
+    yield from _lora(step)
+
+
+def _fsdp_refused(args) -> str | None:
+    """Why the run's own settings refuse fsdp (TrainingArguments' line: lazy mode, context
+    parallelism, HPU graphs), or None where they take it or use it already."""
+    if args.strategy == "fsdp":
+        return None
+    try:
+        dataclasses.replace(args, strategy="fsdp")
+    except InputError as error:
+        return str(error)
+    return None
+
+
+def _lora(step: StepModel):
     if step.lora_possible and not step.lora:
         yield "LoRA adapters (r 16) instead of every weight", ["--lora-r", "16"]
 

@@ -17,7 +17,7 @@ temporary...). What we change, and why:
   inside the collective, where no tracker on a fake process group can see it. Measured: the
   2-process bf16 fsdp step's peak is at the root's reduce-scatter, 32 MiB (its fp32 input) above
   the fake trace without it; under ddp each bucket's copy lives from its all-reduce to the end
-  of backward, one more copy of the gradients there (plan.py's _BucketCopies). HCCL and NCCL
+  of backward, one more copy of the gradients there (BucketCopies). HCCL and NCCL
   reduce in place.
 - frozen parameters. MemTracker hooks every parameter's gradient and fails on one that can have
   none (LoRA's frozen base weights): only trainable ones are hooked.
@@ -28,6 +28,14 @@ temporary...). What we change, and why:
   for the next iteration and refuse it; DPO under LoRA calls the policy twice in every step
   (the reference's forward, adapters disabled, and the policy's). Its per-module statistics,
   which the plan does not read, start again instead.
+- a mixture of experts' own share (the "experts" category, of a model that has experts: see
+  plan_moe.experts_modules). What the experts modules allocate while they run, in forward, in
+  its recomputation and in backward (the routed rows, the all-to-all's send and receive buffers
+  under expert parallelism, the (rows, 2I) intermediates kept for backward, the grouped
+  products' temporaries, a LoRA adapter's folded weights), is counted as it is alive at the
+  peak, taken out of the activations and temporaries it would otherwise be: the tracker tags
+  each storage created while an experts module is among the modules running (ModTracker's
+  parents, which backward fills too).
 """
 from __future__ import annotations
 
@@ -39,6 +47,9 @@ from ..callbacks import Callback
 from ..distributed.group import reduces_in_a_copy
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
+EXPERTS = "experts"
+"""The category of a mixture of experts' buffers and intermediates (see the module docstring),
+after activations; only in the breakdown of a model that has experts."""
 _KINDS = {"PARAM": "parameters", "BUFFER": "parameters", "SHARDED_PARAM": "parameters",
           "UNSHARDED_PARAM": "parameters", "GRAD": "gradients", "SHARDED_GRAD": "gradients",
           "UNSHARDED_GRAD": "gradients", "OPT": "optimizer", "ACT": "activations"}
@@ -73,6 +84,7 @@ def tracker(model, optimizer, sharded: bool, inputs=(), *, offloaded: bool = Fal
         found.track_external(model, optimizer, *inputs)
     found.host_kinds = _OFFLOADED if offloaded and sharded else ()
     found.copies_reduce_scatter_input = reduces_in_a_copy(backend)
+    found.experts = _experts_of(model, frozen)
     if frozen is not None:
         kinds = found._ref_class
         weights = kinds.SHARDED_PARAM if sharded else kinds.PARAM
@@ -85,15 +97,43 @@ def tracker(model, optimizer, sharded: bool, inputs=(), *, offloaded: bool = Fal
 
 def breakdown(found) -> Trace:
     """The tracker's peak, by the plan's categories."""
-    return Trace(found.plan_peak_bytes, _categorised(found.plan_peak.items()),
+    experts = found.plan_experts if found.experts else None
+    return Trace(found.plan_peak_bytes, _categorised(found.plan_peak.items(), experts),
                  found.plan_host_bytes)
 
 
-def _categorised(items) -> dict[str, int]:
+def _categorised(items, experts: dict | None = None) -> dict[str, int]:
+    """The plan's categories of a peak's parts by kind; with `experts` (the experts' tagged bytes
+    by kind, a model with experts), those moved from their kind's category into EXPERTS."""
     parts = dict.fromkeys(CATEGORIES, 0)
     for kind, value in items:
         parts[_KINDS.get(_name(kind), "temporary")] += int(value)
-    return parts
+    if experts is None:
+        return parts
+    own = 0
+    for kind, value in experts.items():
+        parts[_KINDS.get(_name(kind), "temporary")] -= int(value)
+        own += int(value)
+    order = [*CATEGORIES[:CATEGORIES.index("activations") + 1], EXPERTS,
+             *CATEGORIES[CATEGORIES.index("activations") + 1:]]
+    return {name: own if name == EXPERTS else parts[name] for name in order}
+
+
+def _experts_of(*models) -> tuple:
+    """The experts modules of `models` (None skipped), and the PEFT wrappers around them (LoRA on
+    the experts: ParamWrapper, whose forward folds the adapters into their weights first)."""
+    from .plan_moe import experts_modules
+
+    found = []
+    for model in filter(None, models):
+        experts = {id(m) for m in experts_modules(model)}
+        for module in model.modules():
+            inner = module
+            while isinstance(getattr(inner, "base_layer", None), torch.nn.Module):
+                inner = inner.base_layer
+            if id(inner) in experts:
+                found.append(module)
+    return tuple(found)
 
 
 def _name(kind) -> str:
@@ -105,7 +145,7 @@ def _peak_tracker(base):
     """`base` (MemTracker or FSDPMemTracker) keeping one peak, of what the device holds."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    class PeakTracker(base):
+    class PeakTracker(_ExpertsTagging, base):
         host_kinds: tuple = ()
         copies_reduce_scatter_input = False
 
@@ -113,6 +153,8 @@ def _peak_tracker(base):
             entered = super().__enter__()
             if self._depth == 1:
                 self.plan_peak_bytes, self.plan_peak, self.plan_host_bytes = -1, {}, 0
+                self.plan_experts, self.experts_alive, self._tagged = {}, {}, {}
+                self._experts_names = None
                 self._update_peak_stats(None)
             return entered
 
@@ -130,6 +172,7 @@ def _peak_tracker(base):
             self.plan_host_bytes = max(self.plan_host_bytes, host)
             if resident > self.plan_peak_bytes:
                 self.plan_peak_bytes, self.plan_peak = resident, parts
+                self.plan_experts = dict(self.experts_alive)
 
         def _called_again(self, module) -> None:
             """Forget `module`'s per-module statistics when it is called again at the top of
@@ -185,6 +228,103 @@ def _peak_tracker(base):
             self._update_peak_stats(None)
 
     return PeakTracker
+
+
+class BucketCopies:
+    """ddp on a backend that reduces in a copy (gloo): each gradient bucket's copy, from the
+    moment the bucket is full and its all-reduce starts, to the end of backward where DDP waits
+    for them all. Buckets fill in the order gradients become ready (the order DDP rebuilds them
+    in after its first step), the first up to torch's first-bucket size, the others up to
+    ddp_bucket_cap_mb; fast_ddp reduces one flat buffer after backward."""
+
+    def __init__(self, counting, model, cap_mb: int | None, strategy: str) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
+
+        self.counting, self.model, self.handles = counting, model, []
+        self.cap = int((cap_mb or _DEFAULT_BUCKET_CAP_MB) * 2**20)
+        self.limit = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else self.cap
+        if strategy == "fast_ddp":  # one buffer, reduced when backward is over
+            self.cap = self.limit = 2**62
+        self.filling = self.held = 0
+
+    def install(self) -> None:
+        for param in self.model.parameters():
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._ready))
+
+    def _ready(self, param) -> None:
+        self.filling += param.numel() * param.element_size()
+        if self.filling >= self.limit:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        self.counting.add_temporary(self.filling)
+        self.held, self.filling, self.limit = self.held + self.filling, 0, self.cap
+
+    def end_of_backward(self) -> None:
+        if not self.handles:
+            return
+        if self.filling:
+            self._reduce()
+        self.counting.add_temporary(-self.held)
+        for handle in self.handles:
+            handle.remove()
+
+
+class _ExpertsTagging:
+    """The tracker's part that tags what the experts modules allocate (the module docstring's
+    last point): `experts_alive`, their live bytes by kind, follows every change of a tagged
+    storage (freed, resized, re-kinded: one that becomes a gradient is the gradients' again)."""
+
+    experts: tuple = ()
+    _KEPT = ("ACT", "TEMP")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan_experts, self.experts_alive, self._tagged, self._experts_names = {}, {}, {}, None
+
+    def _track(self, reftype, t) -> None:
+        if not self.experts or not self._in_experts():
+            return super()._track(reftype, t)
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        fresh = [st for st in get_untyped_storages(t) if st not in self._WINFO]
+        super()._track(reftype, t)
+        for st in fresh:
+            winfo = self._WINFO.get(st, (None, None))[0]
+            if winfo is not None and _name(winfo.reftype) in self._KEPT:
+                self._tagged[id(winfo)] = winfo
+                self._add_experts(winfo.reftype, winfo.mem_consumed)
+
+    def _in_experts(self) -> bool:
+        names = self._experts_names
+        if names is None:  # ModTracker names a module once its parent's forward has begun
+            known = {self._mod_tracker.get_known_fqn(m) for m in self.experts}
+            names = frozenset(known - {None})
+            if None not in known:
+                self._experts_names = names
+        return not names.isdisjoint(self._mod_tracker.parents)
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if self._tagged.get(id(winfo)) is not winfo:
+            return
+        kind = _name(u_type)
+        if kind == "DEL":
+            self._add_experts(winfo.reftype, -winfo.mem_consumed)
+            del self._tagged[id(winfo)]
+        elif kind == "SIZE":
+            self._add_experts(winfo.reftype, winfo.mem_consumed - old_mem_consumed)
+        elif kind == "REF":
+            self._add_experts(old_reftype, -winfo.mem_consumed)
+            if _name(winfo.reftype) in self._KEPT:
+                self._add_experts(winfo.reftype, winfo.mem_consumed)
+            else:
+                del self._tagged[id(winfo)]
+
+    def _add_experts(self, kind, nbytes: int) -> None:
+        self.experts_alive[kind] = self.experts_alive.get(kind, 0) + nbytes
 
 
 class StepPeak(Callback):
