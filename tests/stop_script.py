@@ -136,9 +136,9 @@ class Inject(Callback):
         step = lambda: trainer.global_step + 1  # the step under way (global_step counts those done)
         agree, host_sum, barrier = trainer._agree_to_stop, trainer.group.host_sum, trainer.group.barrier
 
-        def agree_to_stop(counts, seen):
+        def agree_to_stop(counts, seen, *failed):
             self.fire("before_agreement", step())
-            return agree(counts, seen)
+            return agree(counts, seen, *failed)
 
         def wrapped_host_sum(values):
             in_agreement = called_from("_agree_to_stop")

@@ -56,3 +56,42 @@ def test_nan_and_infinities_are_written_as_null(tmp_path):
     strict = json.loads(line, parse_constant=lambda word: pytest.fail(f"{word} in {line}"))
     assert strict == {"step": 1, "reward": None, "kl": None, "nested": {"values": [1.5, None]},
                       "name": "x"}
+
+
+def test_a_run_resumed_from_a_checkpoint_supersedes_the_later_records(tmp_path):
+    """Issue 47 item 16: a run resumed from checkpoint-10 after one that logged up to step 14
+    (then failed) never logs a step twice: the records of steps 11 to 14 (an evaluation's too)
+    move, in their order, to metrics.superseded.jsonl, whole; those up to step 10, a record
+    without a step and the torn last line's cut are as before; a second resume from the same
+    checkpoint moves its own later records after them. Nothing else is left in the folder."""
+    path, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.superseded.jsonl"
+    logged = [{"step": s, "loss": 1 / s} for s in range(1, 15)]
+    logged.insert(12, {"step": 12, "eval_loss": 0.5})
+    logged.insert(3, {"note": "no step"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in logged) + '{"step": 15, "lo')
+    sink = MetricsFile(tmp_path)
+    sink.open(10)
+    sink.write({"step": 11, "loss": 0.25})
+    sink.close()
+    kept = [r for r in logged if r.get("step", 0) <= 10]
+    assert records(path) == kept + [{"step": 11, "loss": 0.25}]
+    assert records(aside) == [r for r in logged if r.get("step", 0) > 10]
+    sink.open(10)
+    sink.close()
+    assert records(path) == kept
+    assert records(aside) == [r for r in logged if r.get("step", 0) > 10] + [{"step": 11, "loss": 0.25}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "metrics.superseded.jsonl"]
+
+
+def test_a_run_from_its_start_or_its_last_step_moves_nothing(tmp_path):
+    """open() without a step (a run's own writer), or at the last step logged, leaves the file
+    as it was (no rewrite: the same inode)."""
+    (tmp_path / "metrics.jsonl").write_text(WHOLE)
+    inode = (tmp_path / "metrics.jsonl").stat().st_ino
+    for start in (None, 2, 7):
+        sink = MetricsFile(tmp_path)
+        sink.open(start)
+        sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == WHOLE
+    assert (tmp_path / "metrics.jsonl").stat().st_ino == inode
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()

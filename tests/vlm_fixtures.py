@@ -365,3 +365,37 @@ def image_data(tmp_path_factory):
         return made[fmt]
 
     return data
+
+
+def write_jpeg_parquet(path: Path, megabytes: float, seed: int = 0) -> tuple[int, int]:
+    """A Parquet file as datasets' `Dataset.to_parquet` writes it: a `messages` column and an
+    `images` column of datasets.Image holding JPEG bytes (600x600 noise at quality 95, about 425
+    KB each, one or two a row), until it holds `megabytes` MiB of images; (rows, image bytes)."""
+    import io
+
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    target, total, rows = megabytes * (1 << 20), 0, []
+    while total < target:
+        images = []
+        for _ in range(1 + len(rows) % 2):
+            pixels = rng.integers(0, 256, size=(600, 600, 3), dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="JPEG", quality=95)
+            images.append({"bytes": buffer.getvalue(), "path": None})
+            total += len(images[-1]["bytes"])
+        parts = [{"type": "image", "text": None} for _ in images]
+        rows.append({"messages": [
+            {"role": "user", "content": parts + [{"type": "text", "text": f"what is picture {len(rows)}"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f"noise number {len(rows)}"}]}],
+            "images": images})
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": datasets.Sequence(datasets.Image())})
+    data = datasets.Dataset.from_list(rows, features=features)
+    data.to_parquet(str(path))
+    return len(rows), total

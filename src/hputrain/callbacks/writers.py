@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..config.sections import ReportingSettings
@@ -13,6 +15,8 @@ from ..errors import InputError
 from .base import Callback
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+"""The records a failed run wrote past the checkpoint its rerun resumed from (MetricsFile)."""
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -43,13 +47,21 @@ def reporting_callbacks(settings: ReportingSettings) -> list[Callback]:
 
 class MetricsFile(Callback):
     """Every record, one JSON line, in output_dir/metrics.jsonl (appended: a resumed run goes on
-    on a fresh line, see open_jsonl below)."""
+    on a fresh line, see open_jsonl below). A run resumed from checkpoint-N never logs a step
+    twice: the records of steps after N that the run before it wrote (it failed or was killed
+    after its last checkpoint) are moved to metrics.superseded.jsonl first, in their order, so
+    that metrics.jsonl holds one step sequence, as the Hugging Face Trainer's log history holds
+    only what its checkpoint's trainer_state.json had, and nothing written is lost."""
 
     def __init__(self, output_dir) -> None:
         self.path = Path(output_dir) / METRICS_FILE
         self.file = None
 
-    def open(self) -> None:
+    def open(self, start_step: int | None = None) -> None:
+        """Open for appending; `start_step`: the step the run starts from (records after it
+        are superseded)."""
+        if start_step is not None:
+            supersede_after(self.path, start_step, self.path.with_name(SUPERSEDED_FILE))
         self.file = open_jsonl(self.path)
 
     def write(self, record: dict) -> None:
@@ -62,7 +74,7 @@ class MetricsFile(Callback):
             self.file = None
 
     def on_train_begin(self, trainer) -> None:
-        self.open()
+        self.open(trainer.global_step)
 
     def on_log(self, trainer, record: dict) -> None:
         self.write(record)
@@ -194,3 +206,45 @@ def _end_last_line(path: Path) -> None:
             f.truncate(start)
         else:
             f.write(b"\n")
+
+
+def supersede_after(path: Path, step: int, aside: Path) -> None:
+    """Move the records of `path` whose step is past `step` to the end of `aside`, keeping the
+    others (and any line that is not a record: open_jsonl's to deal with) in place. The moved
+    lines reach `aside` before `path` is replaced (written beside it, then renamed), so a kill
+    part-way leaves them in one file or in both, never in none."""
+    def later(line: bytes) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(record, dict) and isinstance(record.get("step"), (int, float)) \
+            and record["step"] > step
+
+    try:
+        if not path.is_file():
+            return
+        with open(path, "rb") as source:
+            if not any(later(line) for line in source):
+                return
+            source.seek(0)
+            with open(aside, "ab") as moved:
+                for line in source:
+                    if later(line):
+                        moved.write(line if line.endswith(b"\n") else line + b"\n")
+                moved.flush()
+                os.fsync(moved.fileno())
+            source.seek(0)
+            handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            try:
+                with open(handle, "wb") as kept:
+                    kept.writelines(line for line in source if not later(line))
+                    kept.flush()
+                    os.fsync(kept.fileno())
+                os.chmod(temp, path.stat().st_mode & 0o777)
+                os.replace(temp, path)
+            except BaseException:
+                Path(temp).unlink(missing_ok=True)
+                raise
+    except OSError as exc:
+        raise InputError(f"Cannot write {exc.filename or path}: {exc.strerror or exc}.") from None

@@ -121,6 +121,11 @@ class HFOptions(GRPOOptions, PreferenceOptions):
     image_slots: int | None = None
     """Images per packed block (the vision tower's fixed batch, padded with blank images); unset
     means the mean images per block of the packed data, at least the most of one example."""
+    skip_bad_rows: bool = False
+    """Image data: leave out the rows whose image is missing or cannot be decoded (a truncated
+    file), counted in the header with the first one's reason; by default the first such row ends
+    the run before its first step, in one line naming it (every image is decoded while the data
+    set is encoded)."""
     center_rewards_coefficient: float | None = None
     """--method reward: add this times the squared sum of each pair's two rewards to the loss,
     which keeps rewards centred on 0 (TRL's name; 0.01 in the paper that proposed it)."""

@@ -192,10 +192,25 @@ def columns_of(path: str) -> list[str] | None:
     if kind not in ("jsonl", "records"):
         return None
     files = [file for split_files in layout.files.values() for file in split_files]
-    firsts = [(file, _fields(_first_record(file))) for file in files]
+    firsts = [(file, _file_fields(file)) for file in files]
     firsts = [(file, fields) for file, fields in firsts if fields is not None] or [(source, [])]
     _one_kind_of_row(source, firsts)
     return firsts[0][1]
+
+
+def _file_fields(path: Path) -> list[str] | None:
+    """The field names of a file of records: its first record's, or a Parquet file's schema's,
+    which reads no row (pyarrow reads a row group's column chunks whole: of a file of images,
+    hundreds of megabytes for one row); None when the file holds no record."""
+    if path.suffix.lower() != ".parquet":
+        return _fields(_first_record(path))
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (OSError, ValueError):  # read by _first_record, whose errors say what is wrong
+        return _fields(_first_record(path))
+    return list(file.schema_arrow.names) if file.metadata.num_rows else None
 
 
 def _fields(first: tuple[str, object] | None) -> list[str] | None:

@@ -91,8 +91,19 @@ def load_image_rows(options, processing, block_size: int, cache_dir, split: str 
                                  split if kind == "saved" else None, ["images"])
 
     return load_image_data(path, fmt, processing, block_size, options, cache_dir,
-                           rows=lambda split: split_rows(path, split, hf_data.records, hf_data.source_files),
+                           rows=lambda split: split_rows(path, split, image_records, hf_data.source_files),
                            splits=hf_data.saved_splits(path), cache_key=cache_key, train_split=split)
+
+
+def image_records(path: str, split: str = "train"):
+    """hf_data.records, but a Parquet file's images are references into it where their bytes lie
+    in it as they are (data/vision/parquet.py: a datasets Image column), not bytes in memory."""
+    from ..data.vision.parquet import image_rows
+    from . import hf_data
+
+    if path.lower().endswith(".parquet") and Path(path).is_file():
+        return image_rows(Path(path))
+    return hf_data.records(path, split)
 
 
 def check_run(options, training_args) -> None:
@@ -210,11 +221,20 @@ def header(trainer, model, options, data, processing, block_size: int) -> str:
             "slots padding (blank images)\n"
             + "".join(f"hputrain: warning: {said}\n" for said in stats.warnings(options.packing))
             + f"hputrain: {counted(rows.rows, 'row')}, {rows.nothing_to_learn} skipped with nothing "
-            f"to learn, {stats.truncated} cut to {block_size} tokens (--block-size), "
-            f"{stats.labels_cut} learned tokens cut\n"
+            f"to learn, {_bad_rows(rows, options)}{stats.truncated} cut to {block_size} tokens "
+            f"(--block-size), {stats.labels_cut} learned tokens cut\n"
             f"hputrain: {shape}, from {options.dataset}{_cached(data)}\n"
             + hf_data.splits_line(options.dataset, options.validation_split_percentage > 0)
             + f"hputrain: validation: {validation}")
+
+
+def _bad_rows(rows, options) -> str:
+    """"N skipped with an image that cannot be read (--skip-bad-rows; the first: LINE), " under
+    --skip-bad-rows, else nothing (such a row ends the run before its first step)."""
+    if not options.skip_bad_rows:
+        return ""
+    first = f"; the first: {rows.bad_reason}" if rows.bad_rows else ""
+    return f"{rows.bad_rows} skipped with an image that cannot be read (--skip-bad-rows{first}), "
 
 
 def _cached(data) -> str:

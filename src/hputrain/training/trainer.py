@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import signal
 import sys
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from ..accelerators import detect_accelerator
 from ..callbacks import (Callback, CallbackHost, for_every_trainer, profiling_callbacks,
                          reporting_callbacks, show_message)
 from ..callbacks.profiler import PROFILE_DIR
-from ..callbacks.writers import METRICS_FILE, TENSORBOARD_DIR, notice
+from ..callbacks.writers import METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, notice
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
 from ..checkpoint.folder import (FINAL_DIR, RECIPE_FILE, checkpoint_dir, drop_set_aside,
@@ -47,7 +46,7 @@ from ..errors import InputError
 from ..execution import kernels
 from ..execution import modes as execution
 from ..execution.precision import select_precision
-from . import evaluation
+from . import evaluation, failures
 from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401  (imported from here too)
 from .intervals import BestCheckpoint, Intervals, total_steps_of
 from .objective import Loop, Objective
@@ -138,6 +137,8 @@ class Trainer(CallbackHost):
         self._signals = StopSignals()  # SIGINT / SIGTERM caught here, maybe not yet agreed
         self._stop_signal: int | None = None  # the signal the ranks agreed to stop for
         self._stopping = False  # the ranks agreed to stop after the current step
+        self._data_failed = False  # ... because a rank's data failed (failures.py)
+        self.saved_step = 0  # the step of the run's last checkpoint (0: none)
         self.best = BestCheckpoint(self.settings.schedule, {})
         self.objective.bind(self._loop())
 
@@ -182,7 +183,7 @@ class Trainer(CallbackHost):
         state = load_start(start, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, accelerator=accelerator, rank=self.group.rank,
                            strategy=self.strategy, batches=batches)
-        self.global_step = state.get("step", 0)
+        self.global_step = self.saved_step = state.get("step", 0)  # saved_step: the last checkpoint's
         if (done := reached_end(start, total_steps)) is not None:  # a finished run, run again: the
             self.log_message(done)  # model holds its checkpoint's weights (checked as it loaded)
             return TrainOutput(start.step, None, already_done=start.final)
@@ -202,11 +203,16 @@ class Trainer(CallbackHost):
                                      self.group.world_size) + self.objective.resume_notes(state):
                 self.log_message(line)
             while self.global_step < total_steps:
-                step_batches = [self._on_host(next(micro_batches)) for _ in range(accumulate)]
+                try:  # bad data is held, agreed on below, and saved from (failures.py)
+                    step_batches, bad = [self._on_host(next(micro_batches)) for _ in range(accumulate)], None
+                except InputError as error:
+                    step_batches, bad = [], failures.held(error, self, batches)
                 counts = [self.count_tokens(batch) for batch in step_batches]
-                # Every rank leaves the loop here, at the same step: a signal or a callback's
-                # should_stop on any rank, noted since the previous agreement, stops them all.
-                if self._agree_to_stop(counts, self.count_tokens.seen(step_batches, counts)):
+                # Every rank leaves the loop here, at the same step: a signal, a callback's
+                # should_stop or bad data on any rank, noted since the previous agreement, stops them all.
+                if self._agree_to_stop(counts, self.count_tokens.seen(step_batches, counts), bad is not None):
+                    if self._data_failed:  # every rank saves the steps done, then the run ends
+                        failures.end_on_bad_data(self, bad, batches, intervals, logged_loss, steps_since_log)
                     break
                 watch.step_begin(self.global_step + 1)
                 self._call("on_step_begin")
@@ -257,6 +263,9 @@ class Trainer(CallbackHost):
                     clock.resume()
             summary = self._finish(intervals, clock, batches, watch, logged_loss, steps_since_log)
             finished = True
+        except Exception as error:
+            failures.note_unsaved(self, error)  # what a crash inside a step leaves unsaved, and why
+            raise
         finally:
             self.step_inputs = None
             self._end_callbacks(finished)
@@ -319,28 +328,29 @@ class Trainer(CallbackHost):
         # a mean over the micro-batch's own tokens, weighted by their share (changes every step)
         return self._loss(batch) * self._on_device_scalar(count * ranks / total)
 
-    def _agree_to_stop(self, counts: list[int], seen: int) -> bool:
+    def _agree_to_stop(self, counts: list[int], seen: int, failed: bool = False) -> bool:
         """Before each step, one small host all-reduce (no device sync) that every rank reaches:
         the global batch's counted tokens (and the tokens the throughput counts: `seen`), and
-        whether the ranks stop before this step (_agree). A stop then ends the same step on
-        every rank, which save one checkpoint together."""
-        tokens, seen = self._agree([sum(counts), seen])
+        whether the ranks stop before this step (_agree; `failed`: this rank's data failed). A
+        stop then ends the same step on every rank, which save one checkpoint together."""
+        tokens, seen = self._agree([sum(counts), seen], failed)
         self._step_tokens, self._step_seen = int(tokens), int(seen)
-        return self._stopping
+        return self._stopping or self._data_failed
 
-    def _agree(self, values: list[float]) -> list[float]:
+    def _agree(self, values: list[float], failed: bool = False) -> list[float]:
         """`values` summed over the ranks, in one host all-reduce that also carries each rank's
-        stop requests: a signal it caught, a callback's should_stop. Whatever a rank does about
-        stopping follows from the result alone, the same on every rank (_stopping, _stop_signal,
-        should_stop), never from its own flags: a signal that lands after this rank read its
-        flag (during the all-reduce, or anywhere later in the step) is counted by the next
-        agreement, on every rank alike."""
+        stop requests: a signal it caught, a callback's should_stop, its data failing. Whatever a
+        rank does about stopping follows from the result alone, the same on every rank
+        (_stopping, _stop_signal, should_stop, _data_failed), never from its own flags: a signal
+        that lands after this rank read its flag (during the all-reduce, or anywhere later in
+        the step) is counted by the next agreement, on every rank alike."""
         received = self._signals.received  # read once: what the all-reduce carries is what counts
-        *sums, interrupts, terminates, callback_stops = self.group.host_sum(
-            [*values, received == signal.SIGINT, received not in (None, signal.SIGINT), self.should_stop])
+        *sums, interrupts, terminates, callback_stops, bad_data = self.group.host_sum(
+            [*values, received == signal.SIGINT, received not in (None, signal.SIGINT), self.should_stop, failed])
         if interrupts or terminates:  # SIGTERM wins where ranks caught different signals
             self._stop_signal = signal.SIGTERM if terminates else signal.SIGINT
         self.should_stop = bool(callback_stops)  # a callback on one rank stops them all
+        self._data_failed = bool(bad_data)  # a rank's data: every rank saves, then ends (failures.py)
         self._stopping = self._stop_signal is not None or self.should_stop
         return sums
 
@@ -402,7 +412,7 @@ class Trainer(CallbackHost):
         """One logging record; the host reads the loss and grad norm back only here. Nothing here
         adds an op to the device's graph, so in lazy mode the next step compiles nothing new."""
         loss = self.group.all_reduce_mean(logged_loss).item() / steps
-        self._stop_if_diverged(loss, steps)
+        failures.stop_if_diverged(loss, self.global_step, steps, self.args.learning_rate)
         record = {
             "step": self.global_step,
             "epoch": round(batches.epoch_of(self.global_step), 4),
@@ -423,17 +433,7 @@ class Trainer(CallbackHost):
         step, which makes this save its last (_save)."""
         (loss,) = self._agree([logged_loss.item() if steps else 0.0])
         if steps:
-            self._stop_if_diverged(loss, steps)
-
-    def _stop_if_diverged(self, loss: float, steps: int) -> None:
-        """A loss that is no longer finite ends training at once, saving nothing new (the last
-        checkpoint holds the last finite weights)."""
-        if not math.isfinite(loss):
-            first = self.global_step - steps + 1
-            where = f"at step {first}" if steps == 1 else f"between steps {first} and {self.global_step}"
-            raise InputError(f"the training loss became {loss} {where} (learning_rate "
-                             f"{self.args.learning_rate:g}): stopped without saving; lower the "
-                             "learning rate or resume from the last checkpoint")
+            failures.stop_if_diverged(loss, self.global_step, steps, self.args.learning_rate)
 
     # -- evaluation and prediction -------------------------------------------------------------
     def evaluate(self, eval_dataset=None) -> dict:
@@ -562,6 +562,7 @@ class Trainer(CallbackHost):
             save_total_limit=None if tracking else self.args.save_total_limit,
             barrier=self.group.barrier, state_io=checkpoint.state_io_for(self.strategy),
             consolidate=last, data_state=batches.data_state(self.global_step))
+        self.saved_step = self.global_step
         if tracking and self.group.is_main:  # only rank 0 touches the folders
             rotate_checkpoints(self.args.output_dir,
                                self.best.keep_limit(self.args.save_total_limit, folder),
@@ -582,9 +583,10 @@ class Trainer(CallbackHost):
 
 
 # what a run writes into output_dir (recipes' too): set aside by a run from the beginning (start.py)
-_RUN_FILES = (METRICS_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINAL_DIR, RECIPE_FILE,
-              *PLOT_FILES)
+_RUN_FILES = (METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINAL_DIR,
+              RECIPE_FILE, *PLOT_FILES)
 
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
 _KEYWORDS = [name for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
              if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+

@@ -1,7 +1,9 @@
 """The encoded image examples of a split, cached on disk as text SFT caches its examples
 (data/token_store.py): made once per node under a lock, memory-mapped by every rank, so the
-ranks of a node share one copy of the token ids and of the images a data set holds as bytes
-(a save_to_disk Image column).
+ranks of a node share one copy of the token ids. The images are kept as references: a file's
+path, an image's place in a save_to_disk folder (rows.SavedImage) or in a Parquet file
+(parquet.FileSpan), each read when a block is made; only an image that lies nowhere as it is (a
+PIL image, a compressed Parquet column's) is kept as its bytes.
 
 The folder's name is a hash of the split's data files (the caller's key: recipes/hf_data's
 cache_key of them, with the tokenizer's files) and of what decides the examples here: the row
@@ -19,16 +21,19 @@ from pathlib import Path
 import numpy as np
 
 from ..token_store import Ragged, made_once, read_arrays, write_arrays
-from .encode import ImageExample, ImageStats
+from .encode import SKIP_HINT, ImageExample, ImageStats, UnreadableImage
+from .parquet import FileSpan
 from .rows import SavedImage
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 ARRAYS = ("input_ids", "input_ids.offsets", "labels", "labels.offsets", "buckets", "buckets.offsets",
           "images_end", "where", "where.offsets", "refs", "refs.offsets", "ref_kinds", "stats",
-          "distortion")
-PATH, BYTES, SAVED = 0, 1, 2
+          "distortion", "bad_reason")
+PATH, BYTES, SAVED, SPAN = 0, 1, 2, 3
 """How an image reference is stored (ref_kinds): a path (UTF-8), the image's bytes, a
-rows.SavedImage (its fields as JSON)."""
+rows.SavedImage or a parquet.FileSpan (its fields as JSON)."""
+COUNTS = ("rows", "examples", "nothing_to_learn", "images", "bad_rows")
+"""The ImageStats counts, in the order the stats array holds them."""
 
 
 class CachedExamples(Sequence):
@@ -62,6 +67,8 @@ def cached_split(cache_dir: str | Path, source_key: str, fmt: str, processing, o
     the first process of the node to get here, memory-mapped by all."""
     folder = Path(cache_dir) / f"images-{key(source_key, fmt, processing, options)[:24]}"
     (examples, stats), cached = made_once(folder, _read, make, _write)
+    if stats.bad_rows and not getattr(options, "skip_bad_rows", False):  # cached by a run with it
+        raise UnreadableImage(f"{stats.bad_reason}; {SKIP_HINT}")
     return examples, stats, folder, cached
 
 
@@ -89,6 +96,8 @@ def _stored(ref) -> tuple[bytes, int]:
         return ref.encode(), PATH
     if isinstance(ref, SavedImage):
         return json.dumps(dataclasses.asdict(ref)).encode(), SAVED
+    if isinstance(ref, FileSpan):
+        return json.dumps(dataclasses.asdict(ref)).encode(), SPAN
     return bytes(ref), BYTES
 
 
@@ -97,6 +106,8 @@ def _ref(stored: bytes, kind: int):
         return stored.decode()
     if kind == SAVED:
         return SavedImage(**json.loads(stored))
+    if kind == SPAN:
+        return FileSpan(**json.loads(stored))
     return stored
 
 
@@ -112,8 +123,8 @@ def _write(folder: Path, made) -> None:
         **_bytes([stored for stored, _ in refs]).arrays("refs"),
         "ref_kinds": np.asarray([kind for _, kind in refs], dtype=np.int8),
         "distortion": np.asarray([e.distortion for e in examples], dtype=np.float32),
-        "stats": np.asarray([stats.rows, stats.examples, stats.nothing_to_learn, stats.images],
-                            dtype=np.int64)})
+        "stats": np.asarray([getattr(stats, name) for name in COUNTS], dtype=np.int64),
+        "bad_reason": np.frombuffer(stats.bad_reason.encode(), dtype=np.uint8)})
 
 
 def _read(folder: Path):
@@ -125,11 +136,12 @@ def _read(folder: Path):
     count = len(examples)
     whole = (len(examples.labels) == len(examples.buckets) == len(examples.where)
              == len(examples.images_end) == len(examples.distortion) == count
-             and arrays["stats"].shape == (4,)
+             and arrays["stats"].shape == (len(COUNTS),)
              and np.array_equal(examples.ids.offsets, examples.labels.offsets)
              and len(examples.refs) == len(examples.ref_kinds) == examples.buckets.offsets[-1]
              and examples.ids.offsets[-1] == len(examples.ids.values)
              and examples.refs.offsets[-1] == len(examples.refs.values))
     if not whole:
         return None
-    return examples, ImageStats(*map(int, arrays["stats"]))
+    counts = dict(zip(COUNTS, map(int, arrays["stats"])))
+    return examples, ImageStats(**counts, bad_reason=arrays["bad_reason"].tobytes().decode())

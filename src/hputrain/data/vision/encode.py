@@ -59,6 +59,16 @@ class ImageStats(SFTStats):
 
     images: int = 0
     """Images in the examples kept."""
+    bad_rows: int = 0
+    """Rows left out (--skip-bad-rows) because an image of theirs cannot be read."""
+    bad_reason: str = ""
+    """The first such row's line (what ends the run without --skip-bad-rows)."""
+
+    def add(self, other: ImageStats) -> ImageStats:
+        """These counts and `other`'s (another split's), the first bad row's reason kept."""
+        return ImageStats(self.rows + other.rows, self.examples + other.examples,
+                          self.nothing_to_learn + other.nothing_to_learn, self.images + other.images,
+                          self.bad_rows + other.bad_rows, self.bad_reason or other.bad_reason)
 
 
 @dataclass
@@ -199,7 +209,7 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     learned. Image paths are relative to `folder` (the data file's). Each problem is one line
     naming the row (`where`)."""
     messages, completion, values = conversation(row, fmt, where)
-    refs = [image_ref(value, folder, where) for value in values]
+    refs = readable_images(values, folder, where)
     sizes = [image_size(ref, where) for ref in refs]
     buckets = choose_buckets(refs, processing, where, sizes)
     chat = processing.template()
@@ -226,6 +236,29 @@ def encode_row(row, fmt: str, processing: Processing, where: str, folder: Path |
     end = _images_end(offsets, origin, image_at)
     distortion = max((processing.buckets.distortion(*size, b) for size, b in zip(sizes, buckets)), default=0.0)
     return ImageExample(input_ids, labels, refs, buckets, end, where, distortion)
+
+
+class UnreadableImage(InputError):
+    """A row's image is missing or cannot be decoded (one line naming the row and the image):
+    what --skip-bad-rows skips."""
+
+
+SKIP_HINT = "fix or remove the row, or pass --skip-bad-rows to leave out the rows whose image cannot be read"
+"""What the line of an unreadable image says to do."""
+
+
+def readable_images(values: list, folder: Path | None, where: str) -> list[ImageRef]:
+    """The references of a row's images (rows.image_ref), each decoded whole now (rows.open_image),
+    so that a missing file or a truncated body is met while the data set is encoded, named by
+    its row, and never at step N of the run, when a block is made (UnreadableImage)."""
+    refs = []
+    try:
+        for value in values:
+            refs.append(image_ref(value, folder, where))
+            open_image(refs[-1], where)
+    except InputError as error:
+        raise UnreadableImage(str(error)) from None
+    return refs
 
 
 def encode_prompt(messages: list[dict], refs: list[ImageRef], processing: Processing,
@@ -321,27 +354,40 @@ def encode_split(rows, fmt: str, processing: Processing, options,
     folder) triples: where names the row in errors (hf_data.records' "FILE line N", prefixed
     here with "--dataset "), folder is the one its image paths are relative to (the row's data
     file's folder; a save_to_disk folder). `options`: assistant_only_loss and
-    completion_only_loss (HFOptions). Rows with nothing to learn are counted and left out."""
+    completion_only_loss (HFOptions), and skip_bad_rows. Rows with nothing to learn are counted
+    and left out; so are rows with an image that cannot be read, under skip_bad_rows (else the
+    first is one line naming it, before the run's first step)."""
     from ..token_store import chunks, ordered_map
 
-    context = (fmt, processing, options.assistant_only_loss, options.completion_only_loss)
+    context = (fmt, processing, options.assistant_only_loss, options.completion_only_loss,
+               bool(getattr(options, "skip_bad_rows", False)))
     examples, stats = [], ImageStats()
-    for kept, read, skipped in ordered_map(_encode_part, context, chunks(rows, ROWS_PER_PART), workers):
+    for kept, part in ordered_map(_encode_part, context, chunks(rows, ROWS_PER_PART), workers):
         examples += kept
-        stats.rows += read
-        stats.nothing_to_learn += skipped
+        stats = stats.add(part)
     stats.examples = len(examples)
     stats.images = sum(len(e.images) for e in examples)
     return examples, stats
 
 
-def _encode_part(context, rows: list) -> tuple[list[ImageExample], int, int]:
-    fmt, processing, assistant_only_loss, completion_only_loss = context
-    kept = []
+def _encode_part(context, rows: list) -> tuple[list[ImageExample], ImageStats]:
+    """A part's examples, and its counts: rows, nothing to learn, and the rows whose images
+    cannot be read, left out under --skip-bad-rows (else the first ends the run: one line)."""
+    fmt, processing, assistant_only_loss, completion_only_loss, skip_bad_rows = context
+    kept, stats = [], ImageStats(rows=len(rows))
     for where, row, folder in rows:
-        example = encode_row(row, fmt, processing, f"--dataset {where}", folder,
-                             assistant_only_loss=assistant_only_loss,
-                             completion_only_loss=completion_only_loss)
-        if example is not None:
+        try:
+            example = encode_row(row, fmt, processing, f"--dataset {where}", folder,
+                                 assistant_only_loss=assistant_only_loss,
+                                 completion_only_loss=completion_only_loss)
+        except UnreadableImage as error:
+            if not skip_bad_rows:
+                raise UnreadableImage(f"{error}; {SKIP_HINT}") from None
+            stats.bad_rows += 1
+            stats.bad_reason = stats.bad_reason or str(error)
+            continue
+        if example is None:
+            stats.nothing_to_learn += 1
+        else:
             kept.append(example)
-    return kept, len(rows), len(rows) - len(kept)
+    return kept, stats

@@ -85,7 +85,7 @@ def load_image_data(path: str, fmt: str, processing, block_size: int, options,
     train, counted, cache_file, from_cache = encoded(train_split)
     if own:
         held, more, _, cached = encoded(VALIDATION_SPLIT)
-        counted, from_cache = _add(counted, more), from_cache and cached
+        counted, from_cache = counted.add(more), from_cache and cached
         train_part, held_part = np.arange(len(train)), np.arange(len(held))
     else:
         held = train
@@ -107,11 +107,6 @@ def load_image_data(path: str, fmt: str, processing, block_size: int, options,
     return ImageData(fmt, made, validation if validation is not None and len(validation) else None,
                      ImageCollator(layout.pad_token_id), stats, counted, own_validation=own,
                      from_cache=from_cache, cache_file=cache_file)
-
-
-def _add(a: ImageStats, b: ImageStats) -> ImageStats:
-    return ImageStats(a.rows + b.rows, a.examples + b.examples, a.nothing_to_learn + b.nothing_to_learn,
-                      a.images + b.images)
 
 
 def choose_slots(options, train: Kept, held: Kept | None, block_size: int) -> int:

@@ -12,7 +12,9 @@ datasets Image value of a save_to_disk folder, a PIL image, or raw bytes. It bec
 `ImageRef`, which pickles into DataLoader workers and opens with `open_image`: an absolute path;
 a `SavedImage` (where the image lies in a save_to_disk folder: read, undecoded, from its
 memory-mapped Arrow files when a block is made, so that no image is held in memory until then);
-or the image's bytes (a PIL image without a file behind it is written as PNG, losslessly).
+a `parquet.FileSpan` (an image of a Parquet file whose bytes lie in it as they are: read in
+place, likewise); or the image's bytes (a PIL image without a file behind it is written as PNG,
+losslessly).
 
 Plain string contents are allowed beside parts, and every one becomes a text part (TRL's
 prepare_multimodal_messages rule), so that a template that prints only parts of type "text"
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from ...errors import InputError, did_you_mean
 from ..sft import normalize_messages
+from .parquet import FileSpan
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,9 @@ class SavedImage:
     """Its place in the row's list of images; None where the column holds one image."""
 
 
-ImageRef = str | bytes | SavedImage
+ImageRef = str | bytes | SavedImage | FileSpan
 """An image as the examples keep it: an absolute file path, an image of a save_to_disk folder,
-or the encoded image's bytes."""
+an image's place in a Parquet file, or the encoded image's bytes."""
 
 FORMATS = ("messages", "prompt_completion", "image")
 """TRL's vision row formats, as `detect_image_format` names them."""
@@ -190,7 +193,7 @@ def image_ref(value, folder: Path | None, where: str) -> ImageRef:
     """The picklable reference of one image value of a row: a path (relative to `folder`, the
     data file's folder), {"bytes", "path"} (save_to_disk read undecoded), a PIL image (decoded:
     its file when it has one, else its pixels as PNG bytes) or bytes. A missing file is one line."""
-    if isinstance(value, SavedImage):
+    if isinstance(value, (SavedImage, FileSpan)):
         return value
     if isinstance(value, Mapping):
         data, path = value.get("bytes"), value.get("path")
@@ -265,12 +268,16 @@ def describe(ref: ImageRef) -> str:
     if isinstance(ref, SavedImage):
         at = "" if ref.index is None else f"[{ref.index}]"
         return f"{ref.column}{at} of row {ref.row}"
+    if isinstance(ref, FileSpan):
+        return ref.describe()
     return ref if isinstance(ref, str) else f"({len(ref)} bytes in the data set)"
 
 
 def _source(ref: ImageRef):
     if isinstance(ref, SavedImage):
         return io.BytesIO(_saved_bytes(ref))
+    if isinstance(ref, FileSpan):
+        return io.BytesIO(ref.read())
     return io.BytesIO(ref) if isinstance(ref, bytes) else ref
 
 
