@@ -39,7 +39,7 @@ $(OLDEST)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install --quiet --upgrade pip
 	$(OLDEST)/bin/pip install --quiet torch==2.13.0
-	$(OLDEST)/bin/pip install --quiet -e '.[plot,tensorboard,hf]' $(OLDEST_PINS) 'pytest>=7.4'
+	$(OLDEST)/bin/pip install --quiet -e '.[plot,tensorboard,hf]' $(OLDEST_PINS) 'pytest>=7.4' 'pytest-timeout>=2.3'
 	touch $@
 
 test-oldest: $(OLDEST)/.installed
