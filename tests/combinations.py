@@ -26,7 +26,7 @@ string_rows); on issue 46's main every such row was dropped.
 
 Issue 47 also adds "moe × ep × accumulation": the processes level "ep2" (fsdp over 2 processes
 with --expert-parallel-size 2: a mixture of experts only) and the factor "accumulation" ("acc1",
-left out of a name, or "acc2": --gradient-accumulation-steps 2). LATER_LEVELS are new levels of
+left out of a name, or "acc2": --gradient-accumulation-steps 2 with micro-batches of 1). LATER_LEVELS are new levels of
 existing factors and new factors: every case chosen before them keeps its levels (acc1, never
 ep2) and its name, and a last greedy pass, started from LATER_CASES, adds the cases until every
 tuple with a later level is covered too."""
@@ -272,7 +272,8 @@ def case_flags(case: dict, inputs: Inputs) -> list[str]:
         flags += ["--devices", "2", "--strategy", "fsdp", "--expert-parallel-size", "2"]
     elif case["processes"] != "1proc":
         flags += ["--devices", "2", "--strategy", case["processes"].removesuffix("2")]
-    flags += ["--gradient-accumulation-steps", "2"] if case["accumulation"] == "acc2" else []
+    if case["accumulation"] == "acc2":  # two micro-batches of 1: the global batch of acc1's one of 2
+        flags += ["--gradient-accumulation-steps", "2", "--per-device-train-batch-size", "1"]
     flags += ["--execution-mode", case["mode"]]
     flags += ["--validation-split-percentage", "8" if case["validation"] == "val" else "0"]
     flags += {"ref_model": ["--ref-model", ref_model],

@@ -119,26 +119,45 @@ def test_compile_matches_eager_in_bf16(tmp_path):
 
 
 class _AutocastOnItsDevice(torch.nn.Module):
-    """Opens torch.autocast on its input's device, as transformers before 5.0 does in its rotary
-    embeddings (disabled, to force float32)."""
+    """Opens torch.autocast on its input's device: disabled, as transformers before 5.0 does in its
+    rotary embeddings (to force float32) and PEFT's LoRA on parameters around its fold of the
+    adapters, or enabled (to bf16)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = False) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
+        torch.manual_seed(0)
+        self.linear, self.enabled = torch.nn.Linear(4, 1), enabled
 
     def forward(self, x, y):
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=self.enabled):
             return torch.nn.functional.mse_loss(self.linear(x), y)
 
 
+def _autocast_run(tmp_path, mode: str, enabled: bool = False):
+    args = TrainingArguments(output_dir=str(tmp_path / mode), max_steps=2, accelerator="cpu",
+                             execution_mode=mode, report_to="none", disable_tqdm=True, precision="fp32",
+                             logging_steps=1, save_strategy="no")
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, generator=g), torch.randn(1, generator=g)) for _ in range(16)]
+    model = _AutocastOnItsDevice(enabled)
+    Trainer(model, args, train_dataset=data).train()
+    return model
+
+
+def test_a_disabled_autocast_on_the_lazy_device_trains_as_eager(tmp_path):
+    """torch has no autocast for the lazy device, so even a disabled one failed there ("unsupported
+    scalarType"); it asks for nothing, and is taken as nothing: the weights after two steps are
+    eager's."""
+    lazy, eager = _autocast_run(tmp_path, "lazy"), _autocast_run(tmp_path, "eager")
+    for (name, a), b in zip(lazy.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_model_that_autocasts_on_the_lazy_device_is_one_line(tmp_path):
-    """torch has no autocast for the lazy device: "unsupported scalarType" deep in torch becomes
-    one line naming the cause and what to do."""
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, accelerator="cpu",
-                             execution_mode="lazy", report_to="none", disable_tqdm=True)
-    data = [(torch.randn(4), torch.randn(1)) for _ in range(8)]
+    """An enabled autocast on the lazy device cannot run: "unsupported scalarType" deep in torch
+    becomes one line naming the code that opens it and what to do."""
     with pytest.raises(InputError) as caught:
-        Trainer(_AutocastOnItsDevice(), args, train_dataset=data).train()
+        _autocast_run(tmp_path, "lazy", enabled=True)
     message = str(caught.value)
     assert "\n" not in message and "torch.autocast on the lazy device" in message
-    assert "--execution-mode eager" in message
+    assert "test_execution.py:" in message and "--execution-mode eager" in message

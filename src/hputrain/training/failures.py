@@ -12,7 +12,8 @@ where that is safe, and the run says which, or why not (docs/reliability.md, "An
 - A loss that is no longer finite: never saved (`stop_if_diverged` says so).
 - Any other error inside a step (an exception in the forward, the backward or the optimizer,
   a peer's failure in a collective): no save, since the ranks may be inside a collective or
-  the step half done; rank 0 says which checkpoint is the last before the traceback.
+  the step half done; rank 0 says which checkpoint is the last before the traceback (running
+  out of memory is one line of its own, cli/train.py's, which says the same).
 - Other bad input mid-run (evaluation's data, a save that fails) ends with its own line.
 """
 from __future__ import annotations
@@ -76,6 +77,8 @@ def note_unsaved(trainer, error: BaseException) -> None:
     checkpoint of the steps since the last one is saved, and why."""
     step, last = trainer.global_step, trainer.saved_step
     if isinstance(error, InputError) or step == last or not trainer.group.is_main:
+        return
+    if trainer.accelerator.is_out_of_memory(error):  # its one line says it (cli/train.py)
         return
     notice(f"the run ended at step {step} by {type(error).__name__} inside a step: no checkpoint of "
            f"steps {last + 1}-{step} is saved (the step is half done, and other ranks may be inside "
