@@ -407,7 +407,13 @@ def check_reference(case: dict, run: Run) -> None:
     training forward's path (issue 39 item 3: autocast, lazy mode, the policy's dtype), so the
     KL is exactly 0, as in TRL."""
     if case["method"] == "grpo" and case["reference"] in ("ref_frozen", "ref_adapters"):
-        assert run.steps()[0]["kl"] == 0.0, run.why()
+        if case["processes"] == "ep2" and case["precision"] == "bf16":
+            # the frozen reference computes its experts whole, the policy splits them over the
+            # two ranks, whose pairs travel in bf16 under autocast (issue 47 item 3): the same
+            # weights, rounded at another place (measured: 3e-8)
+            assert abs(run.steps()[0]["kl"]) <= 1e-6, run.why()
+        else:
+            assert run.steps()[0]["kl"] == 0.0, run.why()
 
 
 def check_final(case: dict, inputs: combos.Inputs, run: Run) -> None:
@@ -493,7 +499,7 @@ def test_issue_item_3_as_a_user_starts_it(inputs, tmp_path):
     """The pooled cases share their two processes; this one is `hputrain train --devices 2` itself
     (the relaunch, the launcher's end): LoRA DPO whose 3 validation pairs leave rank 1 without a
     batch exits 0 within TIMEOUT_S, leaves no process behind, and its final/ loads."""
-    case = combos.ISSUE_CASES[2]
+    case = combos.EARLIER | combos.ISSUE_CASES[2]  # written before the accumulation factor
     run = train_processes(combos.case_flags(case, inputs), tmp_path / "run")
     check_run(run)
     assert run.evals(), run.why()  # the validation split was evaluated
