@@ -233,7 +233,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             strategy._shard(reference)  # be moved (.to), and are where the trace runs already
         # the method's own loss (its Objective's), else the model's, called as the Trainer calls it
         loss_fn = (step.objective(reference, model, sharded, args) if step.objective
-                   else _model_loss(prepared, args))
+                   else _model_loss(prepared, args, accelerator))
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
@@ -299,7 +299,7 @@ def _prepare(model, args, group, accelerator):
     return prepared, optimizer, precision, clip, strategy
 
 
-def _model_loss(prepared, args):
+def _model_loss(prepared, args, accelerator):
     """The model's own loss as the Trainer's step takes it (Trainer._forward): a mixture of
     experts' router loss computed beside the model by training/router.py, the model called with
     `output_router_logits=False`. transformers' own, inside the forward, takes a 2-D padding mask
@@ -307,7 +307,8 @@ def _model_loss(prepared, args):
     summed over no other rank here (a process group of one): E + 1 numbers, whatever the world."""
     from ..distributed.group import ProcessGroup
 
-    router = router_of(prepared.model, args, ProcessGroup(0, 0, 1, "gloo"), prepared.inputs)
+    router = router_of(prepared.model, args, ProcessGroup(0, 0, 1, accelerator.dist_backend),
+                       prepared.inputs)
 
     def loss(module, batch):
         with router.recording(token_mask(batch)):
