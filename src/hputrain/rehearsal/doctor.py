@@ -208,20 +208,13 @@ def run(script: str, script_args: list[str], steps: int, warmup: int) -> dict:
     return report
 
 
-@contextlib.contextmanager
 def _one_process():
     """For the time of the rehearsal, a run that asks for several processes (--devices N) runs as
     this one (distributed/launch.ONE_PROCESS): left to start them, it ran the real job to its
     end, checkpoints and final/ written, without the doctor."""
-    saved = os.environ.get(ONE_PROCESS)
-    os.environ[ONE_PROCESS] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ONE_PROCESS, None)
-        else:
-            os.environ[ONE_PROCESS] = saved
+    from unittest import mock
+
+    return mock.patch.dict(os.environ, {ONE_PROCESS: "1"})
 
 
 def _run_script(path: Path, script_args: list[str], reads: HostReads) -> None:
