@@ -3,10 +3,12 @@
 
     expert_parallel_script.py OUTPUT_DIR PER_DEVICE_BATCH FAMILY [--ep N] [--strategy S]
         [--steps K] [--save-steps K] [--resume] [--final] [--accumulate K]
+        [--capacity-factor F] [--checkpointing]
 
 Global rank 0 writes OUTPUT_DIR/result.pt: {"grads": the whole gradients the optimizer's first
-step applies, "weights": the whole weights after training, "losses": the logged losses}, each
-split expert gathered from the expert-parallel group.
+step applies, "weights": the whole weights after training, "losses": the logged losses,
+"forwards_run_again": rank 0's count of forwards run again for an overflow}, each split expert
+gathered from the expert-parallel group.
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hputrain import Trainer, TrainingArguments  # noqa: E402
+from hputrain.distributed.expert_parallel import forwards_run_again  # noqa: E402
 from hputrain.execution.experts.parallel import register  # noqa: E402
 from tests.moe_fixtures import tiny_moe_config  # noqa: E402
 
@@ -60,6 +63,8 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--final", action="store_true", help="save_model into OUTPUT_DIR/final")
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing (recompute)")
     opts = p.parse_args(argv)
     import transformers
 
@@ -72,7 +77,9 @@ def main(argv=None):
                              save_steps=opts.save_steps, seed=0, disable_tqdm=True,
                              throughput_warmup_steps=0, accelerator="cpu", strategy=opts.strategy,
                              expert_parallel_size=opts.ep, ddp_timeout=60, report_to="none",
-                             max_grad_norm=0.5, gradient_accumulation_steps=opts.accumulate)
+                             max_grad_norm=0.5, gradient_accumulation_steps=opts.accumulate,
+                             expert_capacity_factor=opts.capacity_factor,
+                             gradient_checkpointing=opts.checkpointing)
     trainer = Trainer(model, args, train_dataset=data())
     names = {id(param): name for name, param in model.named_parameters()}
     first = {}
@@ -94,7 +101,8 @@ def main(argv=None):
     if trainer.group.is_main:
         records = [json.loads(line) for line in open(os.path.join(opts.output_dir, "metrics.jsonl"))]
         torch.save({"grads": grads, "weights": weights,
-                    "losses": [r["loss"] for r in records if "loss" in r]},
+                    "losses": [r["loss"] for r in records if "loss" in r],
+                    "forwards_run_again": forwards_run_again()},
                    os.path.join(opts.output_dir, "result.pt"))
     return model
 

@@ -110,7 +110,10 @@ def _train(cli_here, tmp_path, model, *argv):
      ["context_parallel_size=2"]),
     (["--devices", "2", "--expert-parallel-size", "2", "--lora-r", "4", "--lora-target-modules", "experts"],
      ["LoRA adapters on the experts"]),
-], ids=["experts not divisible", "larger than the world", "with context parallelism", "lora on the experts"])
+    (["--devices", "2", "--expert-parallel-size", "2", "--expert-capacity-factor", "0"],
+     ["expert_capacity_factor must be positive, got 0"]),
+], ids=["experts not divisible", "larger than the world", "with context parallelism", "lora on the experts",
+        "capacity factor 0"])
 def test_bad_expert_parallel_layouts_are_one_line_exit_2(cli_here, tmp_path, mixtral_folder, argv, words):
     status, _, err = _train(cli_here, tmp_path, mixtral_folder, *argv)
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
@@ -174,6 +177,25 @@ def test_expert_parallelism_composes_with_fsdp(tmp_path, mixtral_one, nproc):
     replica): equal to one process with the global batch, as above."""
     batch = str(4 // nproc)
     assert_same(mixtral_one, _launch(tmp_path, batch, "mixtral", "--ep", "2", "--strategy", "fsdp", nproc=nproc))
+
+
+@pytest.mark.parametrize("strategy,factor,checkpointing", [
+    ("ddp", 1.25, False),
+    pytest.param("ddp", 0.25, True, marks=pytest.mark.slow),
+    pytest.param("fsdp", 0.25, False, marks=pytest.mark.slow)],
+    ids=["ddp", "ddp overflowing, recomputed", "fsdp overflowing"])
+def test_a_forward_run_again_for_an_overflow_trains_as_one_process(tmp_path, mixtral_one, strategy, factor,
+                                                                   checkpointing):
+    """Issue 47 item 4 across processes: the exchange agreed once a forward (one flag read back
+    after it) trains as one process. At --expert-capacity-factor 0.25 the buffers hold a fifth of
+    the pairs, so forwards overflow and run again on the exact path (counted), under ddp with
+    activation checkpointing (its recompute in backward reuses the forward's sizes) and under
+    fsdp (whose second forward gathers the parameters again on every rank): still one process's
+    losses, gradients and weights."""
+    result = _launch(tmp_path, "2", "mixtral", "--ep", "2", "--strategy", strategy,
+                     "--capacity-factor", str(factor), *(["--checkpointing"] if checkpointing else []))
+    assert_same(mixtral_one, result)
+    assert (result["forwards_run_again"] >= 3) == (factor < 1)  # every step's forward, at 0.25
 
 
 @pytest.mark.slow
@@ -488,16 +510,21 @@ class Case:
                    [torch.rand(t, k, generator=g) for t in tokens])
 
 
-def in_threads(monkeypatch, whole, case, inner, kernels=None, around=None, device="cpu", sent=None):
+def in_threads(monkeypatch, whole, case, inner, kernels=None, around=None, device="cpu", sent=None,
+               body=False, factor=None, calls=None):
     """expert_parallel_forward on len(case.inputs) ranks in threads, each with its share of
     `whole`'s experts (`kernels()`: the accelerator's kernels they run on; `around(rank)`: a
     context the rank's forward and backward run in; `sent`: a list that gets each all-to-all's
-    (rank, the shape and dtype it sent)): each rank's output and gradients."""
+    (rank, the shape and dtype it sent)): each rank's output and gradients. `body`: the experts
+    run twice (_TwoLayers), agreeing on the sizes once a forward (OnceAForward at capacity factor
+    `factor`), or layer by layer (None); `calls` gets the name of each agreement made."""
     import contextlib
     import copy
+    import functools
     import threading
     from types import SimpleNamespace
 
+    from hputrain.distributed import expert_parallel
     from hputrain.distributed.expert_parallel import SHARD_ATTRIBUTE, ExpertShard
     from hputrain.execution.experts import parallel
     from hputrain.execution.experts.parallel import expert_parallel_forward
@@ -510,23 +537,42 @@ def in_threads(monkeypatch, whole, case, inner, kernels=None, around=None, devic
             sent.append((group, tuple(tensor.shape), tensor.dtype))
         return threads.exchange(group, tensor, send, receive)
 
+    def counted(name, answer):
+        def agreement(*args):
+            if calls is not None:
+                calls.append(name)
+            return answer(*args)
+        return agreement
+
+    here = threading.local()
     monkeypatch.setattr(parallel, "_exchange", exchange)
-    monkeypatch.setattr(parallel, "_agree", lambda count, most, group: tuple(
-        max(values) for values in zip(*threads.share(group, (count, int(most))))))
+    monkeypatch.setattr(parallel, "_agree", counted("per layer", lambda count, most, group: tuple(
+        max(values) for values in zip(*threads.share(group, (count, int(most)))))))
+    monkeypatch.setattr(parallel, "_largest", counted("tokens", lambda count, group: max(threads.share(group, count))))
+    monkeypatch.setattr(expert_parallel, "_any_rank", counted("overflow", lambda flag: any(threads.share(here.rank, bool(flag)))))
     results = [None] * ranks
 
     def run(rank):
+        here.rank = rank
         module = copy.deepcopy(whole)
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone()))
         module.num_experts, module._is_expert_parallel = local, True
         if kernels:
             module._hputrain_kernels = kernels()
-        setattr(module, SHARD_ATTRIBUTE, ExpertShard(whole.num_experts, ranks, rank, rank, rank, inner))
+        once = None if factor is None else expert_parallel.OnceAForward(factor)
+        setattr(module, SHARD_ATTRIBUTE, ExpertShard(whole.num_experts, ranks, rank, rank, rank, inner, once))
+        forward = functools.partial(expert_parallel_forward, module)
+        if body:
+            forward = _TwoLayers(module)
+            if once is not None:
+                expert_parallel.agree_once_a_forward(forward, once)
+                forward = copy.deepcopy(forward) if rank == 0 else forward  # a copy: its own agreement
+            module = forward.experts
         x = case.inputs[rank].to(device, module.down_proj.dtype).requires_grad_()
         w = case.weights[rank].to(device, module.down_proj.dtype).requires_grad_()
         with around(rank) if around else contextlib.nullcontext():
-            out = expert_parallel_forward(module, x, case.index[rank].to(device), w)
+            out = forward(x, case.index[rank].to(device), w)
             out.backward(torch.linspace(-1, 1, out.numel(), device=device, dtype=out.dtype).view_as(out))
         results[rank] = SimpleNamespace(out=out.detach(), x=x.grad, w=w.grad,
                                         params={n: p.grad for n, p in module.named_parameters()})
@@ -538,6 +584,52 @@ def in_threads(monkeypatch, whole, case, inner, kernels=None, around=None, devic
         worker.join(timeout=120)
     assert all(result is not None for result in results)
     return results
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two MoE layers on the same experts and routing, as a decoder's body runs its layers."""
+
+    def __init__(self, experts) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, index, weights):
+        from hputrain.execution.experts.parallel import expert_parallel_forward
+
+        first = expert_parallel_forward(self.experts, x, index, weights)
+        return expert_parallel_forward(self.experts, torch.tanh(first), index, weights)
+
+
+@pytest.mark.parametrize("routing,factor,reads", [
+    ("random", 1.25, ["tokens", "overflow"]),
+    ("one peer", 1.25, ["tokens", "overflow", "per layer", "per layer"]),
+    ("one peer", 2.0, ["tokens"])], ids=["balanced", "overflow runs the forward again", "worst-case buffers"])
+def test_the_exchange_is_agreed_once_a_forward(monkeypatch, routing, factor, reads):
+    """Issue 47 item 4: a body of two MoE layers agrees on its exchange once a forward, not once a
+    layer: the token count on the host (no device read), then one flag read back after the
+    forward. Routing that overflows the buffers (every pair for rank 0's experts) runs the forward
+    again on the exact path (its layers agree one by one), counted; at a capacity factor of
+    N·min(k, E/N)/k the buffers hold any routing, and nothing is read. Each way, every rank's
+    output and gradients equal the exact path's, layer by layer (rank 0's body is a deep copy,
+    with its own agreement)."""
+    from hputrain.distributed.expert_parallel import forwards_run_again
+
+    whole = whole_experts("mixtral")
+    case = Case.random(whole, (6, 4), routing)
+    calls, before = [], forwards_run_again()
+    results = in_threads(monkeypatch, whole, case, "hputrain", body=True, factor=factor, calls=calls)
+    # each rank (thread) counts its own forward run again
+    assert forwards_run_again() - before == 2 * (routing == "one peer" and factor < 2)
+    assert sorted(calls) == sorted(reads * 2)  # each of the two ranks
+    exact = []
+    monkeypatch.undo()
+    expected = in_threads(monkeypatch, whole, case, "hputrain", body=True, calls=exact)
+    assert exact == ["per layer"] * 4
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got.out, want.out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.x, want.x, rtol=1e-5, atol=1e-5)
+        for name in want.params:
+            torch.testing.assert_close(got.params[name], want.params[name], rtol=1e-5, atol=1e-5)
 
 
 def assert_equals_the_whole(whole, case, results, tol=1e-5):

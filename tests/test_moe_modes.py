@@ -279,3 +279,51 @@ def test_lazy_expert_parallelism_compiles_once_and_reads_nothing(family):
     assert compiles[WARMUP:] == [compiles[WARMUP - 1]] * (STEPS - WARMUP), compiles
     assert reads.count == 0, reads.where
     assert (metrics.counter_value("aten::_local_scalar_dense") or 0) == local_reads
+
+
+@lazy_rehearses_hf_models
+@pytest.mark.parametrize("factor,per_step", [(1.25, 1), (2.0, 0)], ids=["average buffers", "worst-case buffers"])
+def test_lazy_expert_parallelism_of_two_reads_once_a_forward(factor, per_step, monkeypatch):
+    """A group of two ranks on the lazy backend, rank 0 of 2 (experts 0-3 of 8), its peer a
+    loopback (the all-to-all returns what was sent: a peer holding the same experts), the Gloo
+    host agreement of the token count answered, and the flag's all-reduce over one rank: every
+    MoE layer exchanges its N·C rows and the whole forward agrees once. After the first two steps
+    no graph is compiled, though each step routes differently; each step reads back one value,
+    the overflow flag after the forward (--expert-capacity-factor 1.25), or none where the buffers
+    hold any routing (2.0 = N·min(k, E/N)/k): none inside the forward, where the layers agreed one
+    by one before (two layers, two reads)."""
+    import torch.distributed as dist
+
+    from hputrain.distributed.expert_parallel import ExpertLayout, forwards_run_again, split_experts
+    from hputrain.execution import kernels
+    from hputrain.execution.experts import parallel
+
+    from .moe_fixtures import tiny_moe_config
+
+    accelerator = CPUAccelerator("lazy")
+    device = accelerator.setup()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config("gpt_oss"))
+    kernels.substitute(model, accelerator, True)
+    parallel.register()
+    monkeypatch.setattr(parallel, "_exchange", lambda tensor, send, receive, group: tensor.clone())
+    monkeypatch.setattr(parallel, "_largest", lambda tokens, group: tokens)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # over one rank
+    split_experts(model, ExpertLayout(2, 0, "ep", "ep on Gloo", None, None), factor)
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    compiles, reads, again = [], HostReads(locate=lambda name: name), forwards_run_again()
+    with reads:
+        reads.in_step = True
+        for _ in range(STEPS):
+            ids = torch.randint(4, model.config.vocab_size, (2, 32), generator=g).to(device)
+            with accelerator.forward_context():
+                model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.mark_step()
+            compiles.append(accelerator.graph_compiles())
+    assert forwards_run_again() == again  # no overflow: the reads are the flag's alone
+    assert compiles[WARMUP:] == [compiles[WARMUP - 1]] * (STEPS - WARMUP), compiles
+    assert reads.where == ({"item": per_step * STEPS} if per_step else {})  # the flag's .item()

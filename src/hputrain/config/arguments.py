@@ -155,6 +155,11 @@ class TrainingArguments:
     """Processes of the data-parallel group that split a mixture-of-experts model's experts between
     them, exchanging tokens by all-to-all (docs/moe.md); it must divide the number of processes and
     the number of experts. 1: every process holds every expert."""
+    expert_capacity_factor: float = 1.25
+    """Under expert parallelism, the rows each process sends each peer per MoE layer, over the
+    average (tokens × top-k / expert_parallel_size). Routing that overflows them is not dropped:
+    the forward runs again (counted, said on stderr). From expert_parallel_size × min(top-k,
+    local experts) / top-k up, the buffers hold any routing and the forward reads nothing back."""
     router_aux_loss_coef: float | None = None
     """A mixture-of-experts model's load-balancing loss weight, trained beside the language-model
     loss (and logged as aux_loss); unset: the model config's router_aux_loss_coef, trained when the
@@ -284,6 +289,8 @@ class TrainingArguments:
         check(self.learning_rate > 0, f"learning_rate must be positive, got {self.learning_rate}")
         check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
               f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
+        check(self.expert_capacity_factor > 0,
+              f"expert_capacity_factor must be positive, got {self.expert_capacity_factor}")
         check(self.router_bias_update_rate >= 0,
               f"router_bias_update_rate must not be negative, got {self.router_bias_update_rate}")
         check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,

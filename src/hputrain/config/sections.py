@@ -98,6 +98,7 @@ class ParallelismSettings(_Section):
     fsdp_block_classes: list[str] | None
     context_parallel_size: int
     expert_parallel_size: int
+    expert_capacity_factor: float
     ddp_bucket_cap_mb: int | None
     ddp_find_unused_parameters: bool
     fast_ddp_bf16_gradients: bool

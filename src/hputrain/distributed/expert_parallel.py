@@ -22,6 +22,8 @@ with one expert-parallel size resumes with another.
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,9 @@ class ExpertShard:
     """The same ranks on Gloo: the token counts each rank sends (host integers, no device sync)."""
     inner: str
     """The experts implementation that computes this rank's experts (ExpertsInterface name)."""
+    once_a_forward: object = None
+    """The model's OnceAForward: the exchange's sizes agreed once a forward of the whole model
+    (None: by each layer)."""
 
     @property
     def local_experts(self) -> int:
@@ -141,11 +146,14 @@ class ExpertLayout:
         return cls(size, rank % size, mesh["ep"].get_group(), host, replicate, mesh)
 
 
-def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
+def split_experts(model: nn.Module, layout: ExpertLayout, capacity_factor: float | None = None) -> list[nn.Parameter]:
     """Keep this rank's experts in every experts module of `model` (each parameter whose first
-    dimension is the experts'), switch the modules to the expert-parallel forward, and return the
-    experts' parameters (kept out of the data-parallel reduction)."""
+    dimension is the experts'), switch the modules to the expert-parallel forward, have the
+    module that holds them all agree on the exchange's sizes once a forward (OnceAForward;
+    `capacity_factor`: the buffers' rows over the average, None: execution/experts/sizes.py's),
+    and return the experts' parameters (kept out of the data-parallel reduction)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
 
     if EXPERT_PARALLEL not in ALL_EXPERTS_FUNCTIONS:
         raise RuntimeError("the expert-parallel forward is not registered with transformers: call "
@@ -164,6 +172,7 @@ def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
                          f"({adapted[0]}) is not supported: adapt attention and the dense layers, "
                          "or set expert_parallel_size=1")
     params, inners = [], {}
+    once = OnceAForward(capacity_factor)
     for name, module in found:
         total = module.num_experts
         if total % layout.size:
@@ -179,12 +188,117 @@ def split_experts(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
                 params.append(kept)
         config = module.config  # often shared by every layer: its implementation read once
         inner = inners.setdefault(id(config), config._experts_implementation or "eager")
-        shard = ExpertShard(total, layout.size, layout.rank, layout.group, layout.host_group, inner)
+        shard = ExpertShard(total, layout.size, layout.rank, layout.group, layout.host_group, inner, once)
         setattr(module, SHARD_ATTRIBUTE, shard)
         module.num_experts = local  # what the local implementation sees; ids >= local are empty
         module._is_expert_parallel = True
         config._experts_implementation = EXPERT_PARALLEL
+    agree_once_a_forward(_holder(model, [name for name, _ in found]), once)
     return params
+
+
+def _holder(model: nn.Module, names: list[str]) -> nn.Module:
+    """The innermost module that holds every experts module named (the decoder's body, whose
+    forward runs them all), not a list of layers."""
+    parts = names[0].split(".")[:-1] if len(names) == 1 else names[0].split(".")
+    for name in names[1:]:
+        other = name.split(".")
+        while parts != other[:len(parts)]:
+            parts.pop()
+    while parts and isinstance(model.get_submodule(".".join(parts)), (nn.ModuleList, nn.ModuleDict)):
+        parts.pop()
+    return model.get_submodule(".".join(parts))
+
+
+class OnceAForward:
+    """The all-to-all's sizes of one forward of the whole model, agreed once for all its MoE layers
+    (execution/experts/parallel.py, step 2, sizes them): one per model, shared by its experts
+    modules' shards; the module holding them runs its forward through `run`
+    (`agree_once_a_forward`)."""
+
+    def __init__(self, factor: float | None = None) -> None:
+        self.factor, self.rank = factor, 0  # factor: expert_capacity_factor (None: the default)
+        self.attempting = False  # inside a first attempt of the body's forward
+        self.tokens: int | None = None  # T agreed at this forward's first MoE layer, and its own
+        self.own: int | None = None
+        self.flag: torch.Tensor | None = None  # any pair past C on this rank, this forward
+
+    def flag_past(self, past: torch.Tensor) -> None:
+        self.flag = past if self.flag is None else self.flag | past
+
+    def run(self, forward, args, kwargs):
+        """The body's forward, run again on the exact path when some rank's pairs overflowed. A
+        decode step with a key/value cache (which a second forward would extend twice) and a
+        forward inside one agree layer by layer."""
+        if self.attempting or kwargs.get("past_key_values") is not None:
+            return forward(*args, **kwargs)
+        self.attempting, self.tokens, self.flag = True, None, None
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            self.attempting = False
+        flag, self.flag = self.flag, None
+        if flag is None or not _any_rank(flag):
+            return out
+        del out  # before the second forward: its activations are not held beside the first's
+        note_overflow("forwards", self.rank, "the forward ran again, each MoE layer sizing its "
+                      "exchanges itself (--expert-capacity-factor sets the buffers' rows over the average)")
+        return forward(*args, **kwargs)
+
+
+def _any_rank(flag: torch.Tensor) -> bool:
+    """Whether `flag` is set on any rank: one all-reduce over every rank (an fsdp forward run
+    again gathers parameters from all of them), read back."""
+    flag = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def agree_once_a_forward(body: nn.Module, once: OnceAForward) -> None:
+    """Run `body`'s forward (the module that holds every MoE layer) through `once`: its class
+    becomes a subclass whose forward does (as fully_shard's does), so that a copy of the model
+    keeps it, with its own OnceAForward, and no bound forward held elsewhere skips it."""
+    setattr(body, ONCE_ATTRIBUTE, once)
+    body.__class__ = _agreeing_class(type(body))
+
+
+ONCE_ATTRIBUTE = "hputrain_once_a_forward"
+
+
+@functools.cache
+def _agreeing_class(cls: type) -> type:
+    if getattr(cls, "_hputrain_agrees_once", False):
+        return cls
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return getattr(self, ONCE_ATTRIBUTE).run(original.__get__(self), args, kwargs)
+
+    # the same name and module: transformers looks conversions up by them (and takes a class
+    # outside its package for custom code)
+    return type(cls.__name__, (cls,), {"forward": forward, "_hputrain_agrees_once": True,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+#: Overflows of the all-to-all's buffers in this process: forwards run again, second exchanges.
+OVERFLOWS = {"exchanges": 0, "forwards": 0, "said": 0}
+
+
+def forwards_run_again() -> int:
+    """How many model forwards ran again because some rank's pairs overflowed."""
+    return OVERFLOWS["forwards"]
+
+
+def note_overflow(kind: str, rank: int, what: str) -> None:
+    """Count an overflow, and say the first (then every tenfold) on rank 0's stderr."""
+    OVERFLOWS[kind] += 1
+    count = OVERFLOWS["exchanges"] + OVERFLOWS["forwards"]
+    if rank == 0 and count >= max(1, OVERFLOWS["said"] * 10):
+        OVERFLOWS["said"] = count
+        print(f"hputrain: expert parallelism: a rank had more pairs for one peer than the all-to-all's "
+              f"rows; {what} ({OVERFLOWS['forwards']} forward(s) run again, "
+              f"{OVERFLOWS['exchanges']} second exchange(s) so far)", file=sys.stderr, flush=True)
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -204,8 +318,10 @@ class ExpertParallel(Strategy):
     """Another strategy (ddp, fsdp) on the rest of the model, the experts split over the
     expert-parallel group (see the module docstring for their gradients)."""
 
-    def __init__(self, inner: Strategy, group, size: int, seed: int = 0) -> None:
+    def __init__(self, inner: Strategy, group, size: int, seed: int = 0,
+                 capacity_factor: float | None = None) -> None:
         self.inner, self.group, self.size = inner, group, size
+        self.capacity_factor = capacity_factor  # the all-to-all's rows over the average (None: 1.25)
         self.seed = seed  # what a meta model's weights no source fills are drawn from (ddp)
         self.name = inner.name
         self.forward_is_collective = True  # every forward exchanges tokens with the group's ranks
@@ -245,7 +361,7 @@ class ExpertParallel(Strategy):
         if self.layout is not None:
             return
         self.layout = ExpertLayout.build(self.size, self.group.mesh.device_type)
-        self.expert_params = split_experts(model, self.layout)
+        self.expert_params = split_experts(model, self.layout, self.capacity_factor)
         sharded = self.inner.shards_state and self.group.distributed
         # checkpoint/host.py's STATE_VIEWS: the weight source's fill (and DCP) see each split
         # parameter whole; named again in `wrap`, after activation checkpointing's wrappers

@@ -34,7 +34,8 @@ def select_strategy(settings: ParallelismSettings, group: ProcessGroup, accelera
     if settings.expert_parallel_size > 1:
         from .expert_parallel import ExpertParallel
 
-        return ExpertParallel(strategy, group, settings.expert_parallel_size, settings.seed)
+        return ExpertParallel(strategy, group, settings.expert_parallel_size, settings.seed,
+                              settings.expert_capacity_factor)
     return strategy
 
 

@@ -34,7 +34,7 @@ def model_line(trainer, model, options) -> str:
     kind = describe_kind(config) if config is not None else "dense"
     split, moe = trainer.args.expert_parallel_size, config is not None and experts_and_top_k(config)
     if split > 1 and moe:
-        kind += f", experts split over {split} ranks ({moe[0] // split} a rank)"
+        kind += f", experts split over {split} ranks ({moe[0] // split} a rank, {_buffers(trainer.args, *moe)})"
     router = getattr(getattr(trainer, "router", None), "line", "")
     name = f"{_class_name(model)} ({kind})"
     if options.lora_r:
@@ -49,6 +49,16 @@ def model_line(trainer, model, options) -> str:
             f"{trainer.accelerator.name} ({trainer.accelerator.device_name()}) in "
             f"{trainer.precision.describe()}{kernels_line(trainer)}"
             + (f"\nhputrain: {router}" if router else ""))
+
+
+def _buffers(args, experts: int, top_k: int) -> str:
+    """The all-to-all's buffers (execution/experts/parallel.py): over the average, or any routing's."""
+    from ..execution.experts.sizes import holds_any_routing
+
+    split, factor = args.expert_parallel_size, args.expert_capacity_factor
+    if holds_any_routing(top_k, experts, split, factor):
+        return "all-to-all buffers for any routing"
+    return f"all-to-all buffers {factor:g}x the average, an overflow runs the forward again"
 
 
 def _whole_counts(model) -> tuple[int, int]:

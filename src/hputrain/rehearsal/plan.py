@@ -285,7 +285,8 @@ def _prepare(model, args, group, accelerator):
     if group is not None and _expert_parallel_size(args) > 1:  # the experts split, as selected
         from ..distributed.expert_parallel import ExpertParallel
 
-        strategy = ExpertParallel(strategy, group, _expert_parallel_size(args))
+        strategy = ExpertParallel(strategy, group, _expert_parallel_size(args),
+                                  capacity_factor=settings.parallelism.expert_capacity_factor)
     prepared = prepare_model(model, args, settings, accelerator=accelerator, precision=precision,
                              strategy=strategy, device=None, capture=False)
     model = prepared.model

@@ -48,6 +48,8 @@ class MoELayout:
     """Of the residual stream (the weights' dtype)."""
     compute_bytes: int = 4
     """Of the experts' products: the compute dtype (bf16 under bf16-mixed's autocast)."""
+    capacity_factor: float = 1.25
+    """The all-to-all's rows per peer over the average (expert_capacity_factor)."""
 
     @property
     def active_parameters(self) -> int:
@@ -64,7 +66,7 @@ class MoELayout:
         """The layer's rows (execution/experts/sizes.py): buffers, received rows, tiles."""
         from ..execution.experts.sizes import expert_sizes
 
-        return expert_sizes(self.tokens, self.top_k, self.experts, self.expert_parallel)
+        return expert_sizes(self.tokens, self.top_k, self.experts, self.expert_parallel, self.capacity_factor)
 
     @property
     def rows_per_peer(self) -> int:
@@ -173,6 +175,7 @@ def moe_layout(model: torch.nn.Module, args, tokens: int) -> MoELayout | None:
         parameters=sum(p.numel() for p in _unique(model.parameters())),
         expert_parameters=sum(p.numel() for m in experts for p in m.parameters(recurse=False)),
         expert_parallel=max(1, int(getattr(args, "expert_parallel_size", 1) or 1)),
+        capacity_factor=float(getattr(args, "expert_capacity_factor", 1.25) or 1.25),
         tokens=tokens, element_bytes=up.element_size(),
         compute_bytes=2 if str(getattr(args, "precision", "")).startswith("bf16") else up.element_size())
 
@@ -249,7 +252,9 @@ def expert_parallel_stand_ins():
     from ..distributed import expert_parallel
     from ..execution.experts import parallel
 
-    layout, agree, new_group = (expert_parallel.ExpertLayout.build, parallel._agree, dist.new_group)
+    layout, new_group = expert_parallel.ExpertLayout.build, dist.new_group
+    answers = [(parallel, "_agree"), (parallel, "_largest"), (expert_parallel, "_any_rank")]
+    answers = [(module, name, getattr(module, name)) for module, name in answers]
 
     def build(cls, size: int, device_type: str):
         with unset_fake_temporarily():
@@ -263,7 +268,11 @@ def expert_parallel_stand_ins():
     # every rank's micro-batch as large as this one's, and no rank past its block's rows: the
     # first exchange alone (its second is the rare case of an unbalanced routing)
     parallel._agree = lambda tokens, most, group: (tokens, 0)
+    parallel._largest = lambda tokens, group: tokens
+    expert_parallel._any_rank = lambda flag: False
     try:
         yield
     finally:
-        expert_parallel.ExpertLayout.build, parallel._agree = layout, agree
+        expert_parallel.ExpertLayout.build = layout
+        for module, name, answer in answers:
+            setattr(module, name, answer)

@@ -262,7 +262,9 @@ class Router(NoRouter):
         self.group, self.accumulate, self.device = group, accumulate, device
         if inputs is None or "output_router_logits" in inputs:  # transformers' own loss: off
             self.forward_kwargs = {"output_router_logits": False}
-        self._logits: list | None = None  # recording: this forward's (logits, picks), by layer
+        # recording: this forward's (logits, picks) by router, in layer order; a forward run again
+        # (expert parallelism's overflow: execution/experts/parallel.py) replaces the first's
+        self._logits: dict | None = None
         self._pending: list[torch.Tensor] = []  # the aux losses of this micro-batch's forwards
         self._train = self._sums()
         self._eval: dict | None = None  # while evaluating: the evaluation's sums
@@ -275,7 +277,7 @@ class Router(NoRouter):
         def record(module, args, output):
             if self._logits is not None:
                 logits = output[index] if isinstance(output, tuple) else output
-                self._logits.append((logits, _picked(output, logits)))
+                self._logits[module] = (logits, _picked(output, logits))
         return record
 
     def _sums(self) -> dict:
@@ -286,10 +288,10 @@ class Router(NoRouter):
     @contextlib.contextmanager
     def recording(self, mask: torch.Tensor | None = None):
         """Around one forward of the model on a batch whose real tokens are `mask` (token_mask)."""
-        self._logits = []
+        self._logits = {}
         try:
             yield
-            logits = self._logits
+            logits = list(self._logits.values())
         finally:
             self._logits = None
         if logits and self._counting:

@@ -6,20 +6,25 @@ stays whole on every rank. For T tokens routed to k experts each (sizes.py has t
 
 1. dispatch: each (token, expert) pair whose expert lives on peer p takes the next row of p's
    block in the send buffer, in pair order (a running count per peer, on the device). Each block
-   has C = min(⌈1.25·T·k/N⌉, T·min(k, L)) rows, T the largest of the group's token counts, so
-   the buffer (N·C rows) is 1.25 times the pairs a rank receives on average, whatever the
-   routing. Empty rows carry the local expert id L: an empty slot, which every implementation
-   skips (or computes with weight 0: see `_local_experts`).
-2. how many rows any rank sends any peer, and the group's largest T: one all-reduce of two
-   numbers and one read back per MoE layer (its recompute reuses the forward's answer), the
-   price of buffers sized for the average: a buffer that needs no answer is sized for the worst
-   routing (N·T·min(k, L) rows, all of a peer's tokens on one rank's experts). A group of one
-   rank exchanges nothing and reads nothing.
+   has C = min(⌈f·T·k/N⌉, T·min(k, L)) rows (f: `expert_capacity_factor`, 1.25 unless set), T
+   the largest of the group's token counts, so the buffer (N·C rows) is f times the pairs a rank
+   receives on average, whatever the routing. Empty rows carry the local expert id L: an empty
+   slot, which every implementation skips (or computes with weight 0: see `_local_experts`).
+2. the sizes, agreed once a forward of the whole model (distributed/expert_parallel.py's
+   `OnceAForward`, which runs the forward of the module holding every MoE layer), not once a layer: T by
+   one all-reduce of one host integer on the group's Gloo ranks (no device sync) at the first MoE
+   layer; the same C for every layer. Pairs past a block's C go to a row after the buffer, never
+   sent, and set a flag on the device. After the model's forward, one all-reduce of that flag over
+   every rank and one read back: none set (the usual case), the output stands; one set, the whole
+   forward runs again on the exact path below, counted and said on stderr (the first, then every
+   tenfold), so nothing is dropped. At f ≥ N·min(k, L)/k no routing can overflow: no flag, no
+   read. The exact path (a forward run again, a decode step with a cache, experts called outside a
+   model's forward) agrees per layer: one all-reduce of two numbers (the group's largest T and
+   the most pairs a rank sends a peer) read back, and pairs past C go in a second exchange of O
+   rows a peer (the overflow rounded up to a power of two, a few shapes). A recompute in backward
+   reuses its forward's sizes. A group of one rank exchanges nothing and reads nothing.
 3. all-to-all (torch.distributed on the group's backend: Gloo, NCCL, HCCL), differentiable: its
-   backward is the reverse all-to-all. Pairs past a block's C go in a second exchange of
-   O rows a peer (the overflow rounded up to a power of two, a few shapes), taken only when some
-   rank has such pairs: nothing is dropped, and each use is counted (`overflow_exchanges`) and
-   said on stderr (the first, then every tenfold).
+   backward is the reverse all-to-all.
 4. the local experts on the received rows, by the experts implementation the model had (the
    static-shape one, transformers' grouped_mm, eager), each row to one expert, weight 1.
 5. all-to-all back, then on the source rank each pair's row is picked, weighted by the router
@@ -27,16 +32,14 @@ stays whole on every rank. For T tokens routed to k experts each (sizes.py has t
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...distributed.expert_parallel import EXPERT_PARALLEL, SHARD_ATTRIBUTE
+from ...distributed.expert_parallel import EXPERT_PARALLEL, OVERFLOWS, SHARD_ATTRIBUTE, note_overflow
 from .forward import NAME, ExpertWeights, accelerator_of, combine, local_experts, route
 from .grouped import autocast_on
-from .sizes import peer_capacity
+from .sizes import CAPACITY_FACTOR, holds_any_routing, peer_capacity, worst_per_peer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,27 +77,35 @@ def dispatch_slots(top_k_index: torch.Tensor, local_experts: int, ranks: int):
 
 
 class _Decision:
-    """One layer's exchange sizes (C, O), kept for its recompute in backward."""
+    """One layer's exchange sizes (C, O), kept for its recompute in backward. `checked`: sized by
+    the forward's agreement, pairs past C go to the spare row after the buffer (and the forward
+    runs again: OnceAForward)."""
 
-    def __init__(self, capacity: int, overflow: int) -> None:
-        self.capacity, self.overflow = capacity, overflow
+    def __init__(self, capacity: int, overflow: int, checked: bool = False) -> None:
+        self.capacity, self.overflow, self.checked = capacity, overflow, checked
 
 
-def _sizes(self, shard, tokens: int, k: int, counts: torch.Tensor) -> _Decision:
-    """The exchange's rows per peer, agreed by the group: C from its largest token count, and O
-    (0 unless some rank has more than C pairs for a peer). A recompute in backward (activation
-    checkpointing) reuses its forward's: the same inputs, and no collective the others skip."""
+def _sizes(self, shard, tokens: int, k: int, place: torch.Tensor, counts: torch.Tensor) -> _Decision:
+    """The exchange's rows per peer: agreed once a forward (OnceAForward) inside a model's forward,
+    else by the group here (C from its largest token count, O: 0 unless some rank has more than C
+    pairs for a peer). A recompute in backward (activation checkpointing) reuses its forward's:
+    the same inputs, and no collective the others skip."""
     kept = getattr(self, "_hputrain_exchange", None)
     if kept is not None and torch._C._current_graph_task_id() != -1:
         return kept
-    most_tokens, most_rows = _agree(tokens, counts.max(), shard.group)
-    capacity = peer_capacity(most_tokens, k, shard.num_experts, shard.size)
-    over = max(0, most_rows - capacity)
-    if over:
-        worst = most_tokens * min(k, shard.local_experts) - capacity
-        over = min(worst, max(8, 1 << (over - 1).bit_length()))
-        _count_overflow(shard, over, capacity)
-    self._hputrain_exchange = decision = _Decision(capacity, over)
+    once = shard.once_a_forward
+    if once is not None and once.attempting:
+        decision = _decide(once, shard, tokens, k, place)
+    else:
+        most_tokens, most_rows = _agree(tokens, counts.max(), shard.group)
+        capacity = peer_capacity(most_tokens, k, shard.num_experts, shard.size, _factor(once))
+        over = max(0, most_rows - capacity)
+        if over:
+            worst = worst_per_peer(most_tokens, k, shard.num_experts, shard.size) - capacity
+            over = min(worst, max(8, 1 << (over - 1).bit_length()))
+            note_overflow("exchanges", shard.rank, f"a second exchange of {over} rows a peer carried them")
+        decision = _Decision(capacity, over)
+    self._hputrain_exchange = decision
     return decision
 
 
@@ -107,22 +118,40 @@ def _agree(tokens: int, most_rows: torch.Tensor, group) -> tuple[int, int]:
     return int(most_tokens), int(most_rows)
 
 
-_OVERFLOWS = {"exchanges": 0, "said": 0}
+def _largest(tokens: int, host_group) -> int:
+    """The group's largest token count: one all-reduce of a host integer on its Gloo ranks."""
+    count = torch.tensor([tokens])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=host_group)
+    return int(count)
+
+
+def _decide(once, shard, tokens: int, k: int, place: torch.Tensor) -> _Decision:
+    """Inside a model's forward (the body's OnceAForward attempting): C from the token count the
+    group agreed at this forward's first MoE layer, the same for every layer; pairs past it set
+    the forward's flag (unless no routing can overflow)."""
+    once.rank = shard.rank
+    if once.tokens is None:
+        once.tokens, once.own = _largest(tokens, shard.host_group), tokens
+    elif tokens != once.own:
+        raise RuntimeError(f"expert parallelism: the MoE layers of one forward saw {once.own} and "
+                           f"{tokens} tokens; their exchange is sized once a forward")
+    factor = _factor(once)
+    capacity = peer_capacity(once.tokens, k, shard.num_experts, shard.size, factor)
+    # the same answer on every rank of every group (k, E, N and f are the run's): the flag's
+    # all-reduce is made by all or by none
+    checked = not holds_any_routing(k, shard.num_experts, shard.size, factor)
+    if checked:
+        once.flag_past((place >= capacity).any())
+    return _Decision(capacity, 0, checked)
+
+
+def _factor(once) -> float:
+    return CAPACITY_FACTOR if once is None or once.factor is None else once.factor
 
 
 def overflow_exchanges() -> int:
-    """How many second exchanges this process has run (see the module docstring, step 3)."""
-    return _OVERFLOWS["exchanges"]
-
-
-def _count_overflow(shard, rows: int, capacity: int) -> None:
-    _OVERFLOWS["exchanges"] += 1
-    count = _OVERFLOWS["exchanges"]
-    if shard.rank == 0 and count >= max(1, _OVERFLOWS["said"] * 10):
-        _OVERFLOWS["said"] = count
-        print(f"hputrain: expert parallelism: a rank had more pairs for one peer than the "
-              f"all-to-all's {capacity} rows; a second exchange of {rows} rows a peer carried "
-              f"them ({count} such exchange{'s' if count > 1 else ''} so far)", file=sys.stderr, flush=True)
+    """How many second exchanges this process has run (the exact path: module docstring, step 2)."""
+    return OVERFLOWS["exchanges"]
 
 
 def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -136,26 +165,27 @@ def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     if ranks == 1:  # a group of one: nothing to exchange, nothing to agree on
         sizes = _Decision(tokens * k, 0)
     else:
-        sizes = _sizes(self, shard, tokens, k, counts)
+        sizes = _sizes(self, shard, tokens, k, place, counts)
     capacity, over = sizes.capacity, sizes.overflow
     first = (place < capacity).long()
-    # each pair's row: in the first buffer (N·C rows), else in the second (after it)
-    rows = first * (peer * capacity + place) + (1 - first) * (
-        ranks * capacity + peer * over + place - capacity)
-    rows = rows.reshape(-1)
     total = ranks * (capacity + over)
+    # each pair's row: in the first buffer (N·C rows), else in the second (after it), or, sized
+    # once a forward, the spare row after the buffer (never sent; the forward runs again)
+    past = total if sizes.checked else ranks * capacity + peer * over + place - capacity
+    rows = (first * (peer * capacity + place) + (1 - first) * past).reshape(-1)
+    spare = int(sizes.checked)
     # each pair written to its own row: an add into zeros (scatter_add, which the lazy backends
     # hold in their graph and whose backward keeps only the rows, not the pairs as index_copy's)
     pairs = hidden_states.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden)
     pairs = pairs.to(_sent_dtype(shard, hidden_states))
-    send = pairs.new_zeros(total, hidden).scatter_add(0, rows.unsqueeze(1).expand(-1, hidden), pairs)
-    ids = torch.full((total,), local, dtype=torch.long, device=hidden_states.device)
+    send = pairs.new_zeros(total + spare, hidden).scatter_add(0, rows.unsqueeze(1).expand(-1, hidden), pairs)
+    ids = torch.full((total + spare,), local, dtype=torch.long, device=hidden_states.device)
     ids = ids.scatter_add(0, rows, (top_k_index.long() - (peer + 1) * local).reshape(-1))
     blocks = [capacity] * ranks + [over] * ranks * (over > 0)
     received, received_ids = _swap(send, blocks, shard), _swap(ids, blocks, shard, False)
     computed = _local_experts(self, shard, received, received_ids)
     back = _swap(computed, blocks, shard)
-    per_pair = F.embedding(rows, back).view(tokens, k, hidden)
+    per_pair = F.embedding(rows.clamp(max=total - 1) if spare else rows, back).view(tokens, k, hidden)
     weighted = per_pair * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)
 

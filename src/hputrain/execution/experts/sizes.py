@@ -2,11 +2,12 @@
 (T tokens a rank, top-k, E experts, N expert-parallel ranks): what the forward allocates, what
 `hputrain plan` prints and docs/moe.md derives. Pure arithmetic, no torch.
 
-- The exchange: each rank sends each peer C = min(⌈1.25·T·k/N⌉, T·min(k, E/N)) rows (the
-  second bound: a token meets at most min(k, E/N) experts on one peer, so no peer can be sent
-  more), and receives as many: N·C ≤ 1.25·T·k rows, 1.25 times the T·k pairs a rank receives on
-  average. Pairs past a peer's C go in a second exchange, taken only when some rank has them
-  (execution/experts/parallel.py), so nothing is dropped.
+- The exchange: each rank sends each peer C = min(⌈f·T·k/N⌉, T·min(k, E/N)) rows, f the
+  capacity factor (1.25 unless `expert_capacity_factor` says otherwise; the second bound: a token
+  meets at most min(k, E/N) experts on one peer, so no peer can be sent more), and receives as
+  many: N·C ≤ f·T·k rows, f times the T·k pairs a rank receives on average. Pairs past a peer's
+  C go in a second exchange, taken only when some rank has them (execution/experts/parallel.py),
+  so nothing is dropped. At f ≥ N·min(k, E/N)/k, C is the second bound: no routing overflows.
 - The fixed-shape grouped product (grouped.py) on R rows sorted by E experts: tiles of
   t = min(256, ⌈R/(4E)⌉) rows (a multiple of 8 above 8), each holding one expert's rows; an
   expert with n rows fills ⌈n/t⌉ of them, so ⌊(R + E·(t-1))/t⌋ tiles hold any routing, and
@@ -14,20 +15,32 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-#: The first exchange's rows per peer, over the average a peer gets (T·k/N).
+#: The first exchange's rows per peer, over the average a peer gets (T·k/N), by default.
 CAPACITY_FACTOR = 1.25
 #: The largest tile of the fixed-shape grouped product.
 TILE_ROWS = 256
 
 
-def peer_capacity(tokens: int, top_k: int, experts: int, ranks: int) -> int:
+def peer_capacity(tokens: int, top_k: int, experts: int, ranks: int,
+                  factor: float = CAPACITY_FACTOR) -> int:
     """Rows each rank sends each peer (and receives from each) in the first exchange."""
     if ranks == 1:
         return tokens * top_k
-    worst = tokens * min(top_k, experts // ranks)
-    return min(worst, -(-5 * tokens * top_k // (4 * ranks)))
+    worst = worst_per_peer(tokens, top_k, experts, ranks)
+    return min(worst, math.ceil(round(factor * tokens * top_k / ranks, 6)))
+
+
+def holds_any_routing(top_k: int, experts: int, ranks: int, factor: float = CAPACITY_FACTOR) -> bool:
+    """Whether C is T·min(k, E/N) at every T (f ≥ N·min(k, E/N)/k): no routing can overflow."""
+    return factor * top_k / ranks >= min(top_k, experts // ranks)
+
+
+def worst_per_peer(tokens: int, top_k: int, experts: int, ranks: int) -> int:
+    """T·min(k, E/N): the most pairs one rank can send one peer, whatever the routing."""
+    return tokens * min(top_k, experts // ranks)
 
 
 def tile_rows(rows: int, experts: int) -> int:
@@ -52,6 +65,7 @@ class ExpertSizes:
     top_k: int
     experts: int
     ranks: int = 1
+    capacity_factor: float = CAPACITY_FACTOR
 
     @property
     def pairs(self) -> int:
@@ -66,7 +80,7 @@ class ExpertSizes:
     @property
     def capacity(self) -> int:
         """C: rows sent to (and received from) each peer in the first exchange."""
-        return peer_capacity(self.tokens, self.top_k, self.experts, self.ranks)
+        return peer_capacity(self.tokens, self.top_k, self.experts, self.ranks, self.capacity_factor)
 
     @property
     def exchange_rows(self) -> int:
@@ -76,7 +90,7 @@ class ExpertSizes:
     @property
     def worst_rows_per_peer(self) -> int:
         """T·min(k, E/N): what one peer can be sent at most (the second exchange's bound)."""
-        return self.tokens * min(self.top_k, self.local_experts)
+        return worst_per_peer(self.tokens, self.top_k, self.experts, self.ranks)
 
     @property
     def expert_rows(self) -> int:
@@ -110,5 +124,6 @@ class ExpertSizes:
         return self.pairs * (2 * hidden + 4 * intermediate)
 
 
-def expert_sizes(tokens: int, top_k: int, experts: int, ranks: int = 1) -> ExpertSizes:
-    return ExpertSizes(tokens, top_k, experts, ranks)
+def expert_sizes(tokens: int, top_k: int, experts: int, ranks: int = 1,
+                 capacity_factor: float = CAPACITY_FACTOR) -> ExpertSizes:
+    return ExpertSizes(tokens, top_k, experts, ranks, capacity_factor)
