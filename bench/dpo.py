@@ -139,7 +139,7 @@ def memory_child(method: str, opts) -> None:
 
     from hputrain import Trainer, TrainingArguments
     from hputrain.data.batching import PadToBuckets
-    from hputrain.data.preference import encode_pairs
+    from hputrain.methods.dpo.data import encode_pairs
 
     text = read_corpus(max_bytes=2_000_000).decode("utf-8", "replace")
     tokenizer = train_tokenizer(text[:500_000], 8192)

@@ -7,7 +7,7 @@ random weights and tokens) on 8 rows of 512 tokens, in two shapes of batch:
   entropy, loss sum(logps * advantage) - 0.01 * entropy;
 - dpo: every position scored, loss -sum(logps) (a row's completion log-prob summed).
 
-Modes: `logits` is today's DPO (training/dpo.py completion_logps: a float32 cross entropy over
+Modes: `logits` is today's DPO (methods/dpo/trainer.py completion_logps: a float32 cross entropy over
 the full logits); `full` is token_logps(chunk=None) (the model's full logits, scored a chunk at a
 time: the fall-back path); `chunked` is token_logps with its default chunk of 1024 tokens, scoring
 every position from 0; `chunked-start` (grpo) also passes start=448, so the prompt's columns never
@@ -44,7 +44,7 @@ def measure(shape: str, mode: str) -> dict:
     import torch
     import transformers
 
-    from hputrain.training.dpo import completion_logps
+    from hputrain.methods.dpo.trainer import completion_logps
     from hputrain.training.logps import shifted_labels, token_logps
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Mixture of experts: a training step (forward, backward, AdamW) of a small Hugging Face MoE model
 with each experts implementation (transformers' "eager", "batched_mm", "grouped_mm" and hputrain's
-static-shape "hputrain", execution/experts/), on the same device: median step time of interleaved
-repeats, and the step's peak of live tensor bytes (rehearsal/plan_tracking.py's tracker, the one
+static-shape "hputrain", kinds/moe/experts/), on the same device: median step time of interleaved
+repeats, and the step's peak of live tensor bytes (rehearsal/plan/tracking.py's tracker, the one
 `hputrain plan` is checked against; on a GPU also the allocator's peak).
 
 The model is built from a config (nothing downloaded): Qwen3-MoE by default (or Mixtral), hidden
@@ -94,7 +94,7 @@ def build(cfg, implementation: str, accelerator, device, dtype):
         model.set_experts_implementation(implementation)
     elif model.config._experts_implementation != OURS:
         raise SystemExit(f"hputrain's experts are not registered here (the model runs "
-                         f"{model.config._experts_implementation!r}): execution/experts/ is missing")
+                         f"{model.config._experts_implementation!r}): kinds/moe/experts/ is missing")
     model.train()
     return model
 
@@ -138,7 +138,7 @@ class Variant:
     def peak(self, rows, accelerator, device) -> dict:
         """One step's peak of live tensor bytes by kind (the plan's tracker), and on a device
         with an allocator that keeps one, that allocator's peak of the same step."""
-        from hputrain.rehearsal.plan_tracking import breakdown, tracker
+        from hputrain.rehearsal.plan.tracking import breakdown, tracker
 
         allocator = _allocator(device)
         if allocator is not None:

@@ -11,7 +11,7 @@ buckets from DistributedDataParallel's own account of them. Two-process cases ar
 Cases: the built-in GPT and a Hugging Face Llama (built from a config, random weights), fp32 and
 bf16, with and without gradient checkpointing and LoRA, 1 process, and 2 processes under ddp and
 fsdp; and DPO steps on preference pairs (`--method dpo`, as the columns prompt / chosen /
-rejected pick it; DPOTrainer measured, rehearsal/plan_measure.py) with each reference: a frozen
+rejected pick it; DPOTrainer measured, rehearsal/plan/measure.py) with each reference: a frozen
 copy, --ref-model, the adapter-disabled base under LoRA, precomputed log-probs.
 
     python bench/plan_accuracy.py [--cases NAME,...] [--json FILE]
@@ -118,7 +118,7 @@ def planned(flags: list[str]) -> dict:
 
 def measured(flags: list[str], out: str) -> dict | None:
     """Rank 0's StepPeak of a real 3-step run (None on other ranks)."""
-    from hputrain.rehearsal.plan_measure import measure_step
+    from hputrain.rehearsal.plan.measure import measure_step
 
     trace, main_rank = measure_step(*parsed(flags), out)
     if not main_rank:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from hputrain.accelerators import detect_accelerator
 from hputrain.data.streaming import ShardStream, find_shards
-from hputrain.recipes import hf_data
-from hputrain.recipes.hf_stream import TextEncoder
+from hputrain.recipes.hf import data as hf_data
+from hputrain.recipes.hf.stream import TextEncoder
 
 from common import machine
 from sft import tokenizer_with_template

@@ -38,7 +38,8 @@ import numpy as np
 import psutil
 
 from hputrain.data.batching import read_corpus
-from hputrain.recipes import hf_data, hf_sft
+from hputrain.recipes.hf import data as hf_data
+from hputrain.methods.sft import recipe as hf_sft
 from sft import conversations, tokenizer_with_template
 from token_memory import smaps
 

@@ -33,8 +33,8 @@ def child(folder: Path, data: Path, workers: int) -> dict:
     import dataclasses
 
     from hputrain.recipes import HFOptions
-    from hputrain.recipes.hf_vision import load_vision
-    from hputrain.recipes.hf_vision_run import load_image_rows
+    from hputrain.kinds.vlm.recipe import load_vision
+    from hputrain.kinds.vlm.run import load_image_rows
 
     def peak() -> float:
         """This process's peak resident set since the reset below (VmHWM), in MiB."""

@@ -1,4 +1,4 @@
-"""Each rank of tests/test_dpo_precompute.py's 2-process case:
+"""Each rank of tests/methods/dpo/test_dpo_precompute.py's 2-process case:
 `hputrain launch --nproc-per-node 2 --cpu THIS POLICY REFERENCE OUT STRATEGY`.
 
 On 10 pairs in batches of 2 (5 batches), through DPOTrainer as a user's script calls it:
@@ -22,12 +22,12 @@ from pathlib import Path
 def main(policy: str, reference: str, out: str, strategy: str) -> int:
     import transformers
 
-    from hputrain.config.preference import DPOConfig
-    from hputrain.data.preference import encode_pairs
-    from hputrain.training import dpo
+    from hputrain.methods.dpo.config import DPOConfig
+    from hputrain.methods.dpo.data import encode_pairs
+    from hputrain.methods.dpo import trainer as dpo
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.test_dpo import text_rows
+    from tests.methods.dpo.test_dpo import text_rows
 
     rank = int(os.environ["RANK"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(policy)
@@ -69,7 +69,7 @@ def main(policy: str, reference: str, out: str, strategy: str) -> int:
 
 def logps_of(pairs) -> list:
     """Each pair's reference log-probs as the collator reads them (chosen, rejected)."""
-    from hputrain.data.preference import REF_KEYS
+    from hputrain.methods.dpo.data import REF_KEYS
 
     return [[pair[REF_KEYS[0]], pair[REF_KEYS[1]]] for pair in pairs]
 

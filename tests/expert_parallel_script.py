@@ -1,4 +1,4 @@
-"""A tiny mixture-of-experts run for tests/test_expert_parallel.py, started by `hputrain launch`
+"""A tiny mixture-of-experts run for tests/kinds/moe/test_expert_parallel.py, started by `hputrain launch`
 (expert parallelism over the ranks) or in-process as the single-process reference.
 
     expert_parallel_script.py OUTPUT_DIR PER_DEVICE_BATCH FAMILY [--ep N] [--strategy S]
@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hputrain import Trainer, TrainingArguments  # noqa: E402
-from hputrain.distributed.expert_parallel import forwards_run_again  # noqa: E402
-from hputrain.execution.experts.parallel import register  # noqa: E402
+from hputrain.kinds.moe.expert_parallel import forwards_run_again  # noqa: E402
+from hputrain.kinds.moe.experts.parallel import register  # noqa: E402
 from tests.moe_fixtures import tiny_moe_config  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def whole(model, strategy, tensors: dict) -> dict:
     order, a DTensor's gathered (a collective: every rank calls it)."""
     import torch.distributed as dist
 
-    from hputrain.distributed.expert_parallel import expert_parameter_names
+    from hputrain.kinds.moe.expert_parallel import expert_parameter_names
 
     experts = set(expert_parameter_names(model)) if getattr(strategy, "layout", None) else set()
     out = {}

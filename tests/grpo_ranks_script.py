@@ -1,4 +1,4 @@
-"""GRPO runs with fixed completions for tests/test_grpo_ranks.py, started by `hputrain launch` on
+"""GRPO runs with fixed completions for tests/methods/grpo/test_grpo_ranks.py, started by `hputrain launch` on
 two ranks, or in-process as the one-process reference with the same global batch.
 
     grpo_ranks_script.py MODEL_DIR OUTPUT_DIR STRATEGY CASE [CASE ...]

@@ -1,10 +1,10 @@
 """A tiny mixture-of-experts folder (experts stored apart, as on the Hub) trained 2 steps under
 hputrain's fsdp on 2 processes, then written to OUTPUT_DIR/final by export.save_model, for
-tests/test_moe_loading.py, started by `hputrain launch`:
+tests/kinds/moe/test_moe_loading.py, started by `hputrain launch`:
 
     moe_export_script.py OUTPUT_DIR FOLDER
 
-The model is loaded as `hputrain train` loads it under fsdp across processes (recipes/hf.py
+The model is loaded as `hputrain train` loads it under fsdp across processes (recipes/hf/__init__.py
 load_model with sharded=True: each rank reads its own experts). Global rank 0 writes
 OUTPUT_DIR/trained.pt: the trained model's logits on a fixed batch (its weights gathered whole
 into an eager copy of the model) and the weights themselves, which from_pretrained(final) must

@@ -1,7 +1,7 @@
 """One rank of a measured training step for tests/test_plan_accuracy.py, started by `hputrain
 launch`: a 3-step run of hputrain's Trainer (DPOTrainer for a DPO step) on the run `hputrain train
 FLAGS` describes (random weights, one repeated batch), whose third step rehearsal.plan.StepPeak
-counts (rehearsal/plan_measure.py). Rank 0 writes {"peak_bytes", "breakdown"} to RESULT.
+counts (rehearsal/plan/measure.py). Rank 0 writes {"peak_bytes", "breakdown"} to RESULT.
 
     plan_step_script.py RESULT FLAG...
 """
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hputrain.cli import build_parser  # noqa: E402
 from hputrain.cli.planning import planned_step  # noqa: E402
-from hputrain.rehearsal.plan_measure import measure_step  # noqa: E402
+from hputrain.rehearsal.plan.measure import measure_step  # noqa: E402
 
 
 def settings(flags: list[str]):

@@ -4,7 +4,7 @@ tests/test_sharded_loading.py, started by `hputrain launch` on 2 processes:
     sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref][,ep][,ddp]
 
 Each case loads FOLDER (a model or adapter folder) as `hputrain train` does under fsdp across
-processes (recipes/hf.py load_model with sharded=True, LoRA r=4 added after torch.manual_seed(0)
+processes (recipes/hf/__init__.py load_model with sharded=True, LoRA r=4 added after torch.manual_seed(0)
 with `lora`), lets a Trainer shard and materialise it, and with `ref` places a deep copy of the
 starting model as DPO's frozen reference (strategy.place_frozen); with `ep` a mixture of experts'
 experts are split over the 2 ranks (expert_parallel_size=2, fsdp on the rest, or ddp with `ddp`)
@@ -52,7 +52,7 @@ def gathered(model) -> dict:
 def run(output_dir: Path, name: str, folder: str, flags: list[str]) -> None:
     READS.clear()
     options = hf.HFOptions(model=folder, dataset="unused", lora_r=4 if "lora" in flags else None)
-    torch.manual_seed(0)  # as recipes/hf.py run: LoRA's adapters are drawn after it
+    torch.manual_seed(0)  # as recipes/hf/__init__.py run: LoRA's adapters are drawn after it
     path = Path(folder)
     if hf.is_adapter_folder(path):
         model, _ = hf.load_model(path, trainable=True, sharded=True)
@@ -63,7 +63,7 @@ def run(output_dir: Path, name: str, folder: str, flags: list[str]) -> None:
     if options.lora_r:
         model = hf.add_lora(model, options)
     if "ep" in flags:
-        from hputrain.execution.experts.parallel import register
+        from hputrain.kinds.moe.experts.parallel import register
 
         register()  # the expert-parallel forward, as the recipes register it
     args = TrainingArguments(output_dir=str(output_dir / name), max_steps=1, disable_tqdm=True,

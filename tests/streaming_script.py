@@ -1,5 +1,5 @@
 """A streaming run used by test_streaming.py, in-process and as a subprocess that gets killed:
-a tiny Llama trained on a folder of text shards read as a stream (recipes/hf_stream.py)."""
+a tiny Llama trained on a folder of text shards read as a stream (recipes/hf/stream.py)."""
 import sys
 import time
 from types import SimpleNamespace
@@ -24,7 +24,7 @@ class SlowAfter(Callback):
 def main(output_dir, model_folder, shards, resume=None, slow_after=None, max_steps=12, workers=0):
     import transformers
 
-    from hputrain.recipes.hf_stream import stream_data
+    from hputrain.recipes.hf.stream import stream_data
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_folder)
     options = SimpleNamespace(dataset=shards, text_column="text", method="auto", packing=True,

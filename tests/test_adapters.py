@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from .test_sft_recipe import (TEMPLATES, chat_model, chat_rows, conversation,  # noqa: F401
+from .methods.sft.test_sft_recipe import (TEMPLATES, chat_model, chat_rows, conversation,  # noqa: F401
                               error_line, write_jsonl)
 
 transformers = pytest.importorskip("transformers")
@@ -169,7 +169,7 @@ def test_evaluate_an_adapter_folder_from_another_directory(lora_run, chat_model,
 
 def test_generate_with_an_adapter_folder_answers_as_peft_does(lora_run, chat_model, tmp_path,  # noqa: F811
                                                                capsys, monkeypatch):
-    from hputrain.recipes.hf_chat import stop_token_ids
+    from hputrain.recipes.hf.chat import stop_token_ids
 
     final, _ = lora_run
     model = peft_reference(chat_model, final)

@@ -20,10 +20,44 @@ def test_import_contracts_are_kept():
 def test_the_top_of_the_package_stays_small():
     """At the top: the public entry points and the shared leaves; everything else in a folder."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__.py", "errors.py", "files.py", "inference.py", "metrics.py"], top
+    assert top == ["__init__.py", "errors.py", "files.py", "inference.py", "metrics.py", "registry.py"], top
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
     assert folders == ["accelerators", "callbacks", "checkpoint", "cli", "config", "data",
-                       "distributed", "execution", "models", "recipes", "rehearsal", "training"]
+                       "distributed", "execution", "kinds", "methods", "models", "recipes", "rehearsal",
+                       "training"]
+
+
+def test_no_three_files_of_a_folder_share_a_name_prefix():
+    """Issue 48: a prefix shared by three files (hf_vision.py, hf_vision_run.py, hf_vision_chat.py;
+    plan_dpo.py, plan_grpo.py, plan_moe.py) is a folder waiting to exist."""
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        groups: dict[str, list[str]] = {}
+        for stem in sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__"):
+            groups.setdefault(stem.split("_")[0], []).append(stem)
+        crowded.update({f"{folder.relative_to(PACKAGE)}/{prefix}": stems
+                        for prefix, stems in groups.items() if len(stems) >= 3})
+    assert crowded == {}, crowded
+
+
+def test_every_method_and_kind_folder_is_registered_once():
+    """Issue 48: a method or a model kind is a folder plus its line in hputrain/registry.py; the
+    kinds the core asks (models/kind.py) are exactly those, and the independence contract lists
+    every folder."""
+    import tomllib
+
+    from hputrain import registry
+    from hputrain.models.kind import registered
+
+    methods = sorted(p.name for p in (PACKAGE / "methods").iterdir() if (p / "__init__.py").is_file())
+    kinds = sorted(p.name for p in (PACKAGE / "kinds").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(name for name in registry.METHODS if name != "lm") == methods
+    assert sorted(kind.name for kind in registry.KINDS) == kinds
+    assert [type(kind) for kind in registered()] == [type(kind) for kind in registry.KINDS]
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    [independence] = [c for c in contracts if c["type"] == "independence"]
+    assert sorted(independence["modules"]) == sorted(
+        [f"hputrain.methods.{m}" for m in methods] + [f"hputrain.kinds.{k}" for k in kinds])
 
 
 def test_documented_import_paths_keep_working():

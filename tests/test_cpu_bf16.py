@@ -276,7 +276,7 @@ def test_every_file_with_a_bf16_auto_test_is_in_what_ci_runs_both_ways():
     whole suite twice would cost CI a minute): a test marked elsewhere would run one way only."""
     root = Path(__file__).parent.parent
     listed = re.search(r"^BF16_AUTO_TESTS := (.*)$", (root / "Makefile").read_text(), re.M).group(1).split()
-    marked = sorted(str(path.relative_to(root)) for path in (root / "tests").glob("*.py")
+    marked = sorted(str(path.relative_to(root)) for path in (root / "tests").rglob("test_*.py")
                     if "mark.bf16_auto" in path.read_text() and path.name != "conftest.py")
     assert marked and set(marked) <= set(listed), (marked, listed)
     assert "test-bf16-both" in (root / ".ci" / "run").read_text()

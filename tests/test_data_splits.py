@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from .hf_fixtures import SAMPLE_TEXT, llama_folder  # noqa: F401
-from .test_sft_recipe import chat_model, conversation  # noqa: F401
+from .methods.sft.test_sft_recipe import chat_model, conversation  # noqa: F401
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face recipe needs transformers")
 
 from hputrain.cli import main  # noqa: E402
-from hputrain.recipes import hf, hf_data  # noqa: E402
+from hputrain.recipes import hf  # noqa: E402
+from hputrain.recipes.hf import data as hf_data
 
 BLOCK = 32
 TRAIN = [f"{i} {SAMPLE_TEXT[i % 4]}" for i in range(120)]
@@ -279,7 +280,7 @@ def test_an_image_folders_splits(tmp_path):
     """An image data folder (train.jsonl and test.jsonl beside the images they name): each split's
     rows are its file's, their image paths relative to it."""
     pytest.importorskip("PIL")
-    from hputrain.data.vision.rows import split_rows
+    from hputrain.kinds.vlm.data.rows import split_rows
 
     from .vlm_fixtures import image_rows, write_images
 

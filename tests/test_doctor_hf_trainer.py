@@ -1,4 +1,4 @@
-"""`hputrain doctor` on a transformers Trainer script (rehearsal/doctor_hf.py): transformers sees the
+"""`hputrain doctor` on a transformers Trainer script (rehearsal/doctor/hf.py): transformers sees the
 stand-in's HPU, the steps run lazily with Optimum's step boundaries, and the findings name the
 Trainer's arguments. The script (doctor_scripts/hf_trainer.py) fine-tunes a tiny Llama folder
 written here; the rehearsal runs in this process, as doctor.run() runs it."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hputrain.accelerators.cpu_lazy import HostReads
-from hputrain.rehearsal.doctor_hf import HFRehearsal, optimum_missing
+from hputrain.rehearsal.doctor.hf import HFRehearsal, optimum_missing
 from hputrain.rehearsal.findings import DoctorFinished, sync_site
 from hputrain.rehearsal.shapes import MAX_SHAPES
 from hputrain.rehearsal.standin import StandIn

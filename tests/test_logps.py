@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from hputrain.errors import InputError  # noqa: E402
 from hputrain.models.gpt import GPT, GPTConfig  # noqa: E402
-from hputrain.training.dpo import completion_logps  # noqa: E402
+from hputrain.methods.dpo.trainer import completion_logps  # noqa: E402
 from hputrain.training.logps import output_head, shifted_labels, token_logps  # noqa: E402
 
 VOCAB = 300
@@ -233,7 +233,7 @@ def test_equal_to_trl_on_the_same_logits(temperature):
 
 
 def test_dpo_sums_are_completion_logps():
-    """What DPO takes: each row's sum over its completion, as training/dpo.py computes it today."""
+    """What DPO takes: each row's sum over its completion, as methods/dpo/trainer.py computes it today."""
     model, (inputs, _) = llama(), batch()
     completion = torch.zeros_like(inputs["input_ids"])
     completion[:, 4:] = inputs["attention_mask"][:, 4:]

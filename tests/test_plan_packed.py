@@ -3,7 +3,7 @@
 SFT run's step with the packed blocks the run sees: their `seq_lens` become the block mask on the
 device (training/packed.py), a [rows, 1, block, block] tensor in the compute dtype that an unpacked
 step does not have. Checked against the same step measured in a real Trainer run
-(rehearsal/plan_measure.py: StepPeak of its third step), within 5%."""
+(rehearsal/plan/measure.py: StepPeak of its third step), within 5%."""
 from __future__ import annotations
 
 import dataclasses

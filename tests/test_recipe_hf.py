@@ -16,7 +16,8 @@ from .hf_fixtures import SAMPLE_TEXT, llama_folder, write_text_file  # noqa: F40
 transformers = pytest.importorskip("transformers", reason="the Hugging Face recipe needs transformers")
 
 from hputrain.cli import main  # noqa: E402
-from hputrain.recipes import hf, hf_common, hf_data  # noqa: E402
+from hputrain.recipes import hf  # noqa: E402
+from hputrain.recipes.hf import common as hf_common, data as hf_data
 
 BLOCK = 32
 SMALL = ["--precision", "32", "--block-size", str(BLOCK), "--per-device-train-batch-size", "4",
@@ -275,7 +276,7 @@ def test_a_folder_of_record_files_is_read_as_its_rows(tmp_path, tokenizer):
 
 def _method_of(path, **flags):
     """(what hf.data_kind says, the SFT / text method hf_sft.data_method says, or the error line)."""
-    from hputrain.recipes import hf_sft
+    from hputrain.methods.sft import recipe as hf_sft
 
     options = hf.HFOptions(model="m", dataset=str(path), **flags)
     try:

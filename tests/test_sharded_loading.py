@@ -1,5 +1,5 @@
 """Hugging Face folders under strategy="fsdp" across processes: built on the meta device, each rank
-filling its own shards from the safetensors files (checkpoint/hf_weights.py, recipes/hf_sharded.py).
+filling its own shards from the safetensors files (checkpoint/hf_weights.py, recipes/hf/sharded.py).
 The reference is `from_pretrained(dtype=float32)` (and PEFT's adapters drawn after the same seed),
 compared bit for bit; the 2-process cases run tests/sharded_loading_script.py."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ SCRIPT = str(ROOT / "tests" / "sharded_loading_script.py")
 
 
 def reference(folder, lora: bool = False) -> dict:
-    """What recipes/hf.py loads in one process: from_pretrained, LoRA r=4 after manual_seed(0)."""
+    """What recipes/hf/__init__.py loads in one process: from_pretrained, LoRA r=4 after manual_seed(0)."""
     from hputrain.recipes import hf
 
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Issue 31 part 3: `--streaming` reads a folder of JSON Lines / Parquet shards as a stream, each
 rank its own shards, tokenized and packed on the fly, and resumes exactly from the position each
-rank saved with the checkpoint (data/streaming.py, data.MicroBatches, recipes/hf_stream.py)."""
+rank saved with the checkpoint (data/streaming.py, data.MicroBatches, recipes/hf/stream.py)."""
 from __future__ import annotations
 
 import json
@@ -21,12 +21,13 @@ from .hf_fixtures import SAMPLE_TEXT, llama_folder, tiny_tokenizer  # noqa: F401
 transformers = pytest.importorskip("transformers", reason="the Hugging Face recipe needs transformers")
 
 from hputrain.cli import main  # noqa: E402
-from hputrain.data import packing, sft  # noqa: E402
+from hputrain.data import packing  # noqa: E402
+from hputrain.data import sft
 from hputrain.data.batching import MicroBatches, default_collate  # noqa: E402
 from hputrain.data.streaming import ShardStream, find_shards  # noqa: E402
 from hputrain.errors import InputError  # noqa: E402
-from hputrain.recipes import hf_data  # noqa: E402
-from hputrain.recipes.hf_stream import SFTEncoder, TextEncoder  # noqa: E402
+from hputrain.recipes.hf import data as hf_data  # noqa: E402
+from hputrain.recipes.hf.stream import SFTEncoder, TextEncoder  # noqa: E402
 
 from . import streaming_script  # noqa: E402
 

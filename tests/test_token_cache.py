@@ -19,10 +19,14 @@ from .hf_fixtures import tiny_tokenizer
 
 pytest.importorskip("transformers", reason="the Hugging Face recipe needs transformers")
 
-from hputrain.data import packing, preference, sft, token_store  # noqa: E402
+from hputrain.data import packing, token_store  # noqa: E402
+from hputrain.methods.dpo import data as preference
+from hputrain.data import sft
 from hputrain.data.chat import ChatTemplate  # noqa: E402
 from hputrain.errors import InputError  # noqa: E402
-from hputrain.recipes import hf_data, hf_dpo, hf_sft  # noqa: E402
+from hputrain.recipes.hf import data as hf_data  # noqa: E402
+from hputrain.methods.dpo import recipe as hf_dpo
+from hputrain.methods.sft import recipe as hf_sft
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 BLOCK = 160  # tokens: two examples a block, the longest cut

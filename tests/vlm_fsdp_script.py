@@ -1,10 +1,10 @@
 """Tiny vision-language models (tests/vlm_fixtures.py) trained under strategy="fsdp", for
-tests/test_vlm_fsdp.py: started by `hputrain launch` on 2 processes, or called in-process as the
+tests/kinds/vlm/test_vlm_fsdp.py: started by `hputrain launch` on 2 processes, or called in-process as the
 one-process reference (`run`).
 
     vlm_fsdp_script.py FOLDER RUN [RUN ...]    RUN: OUTPUT_DIR,CHOICE[,FLAG ...]
 
-CHOICE, as the recipe makes it (recipes/hf_vision.py): `lora` (LoRA r=4 on the language model's
+CHOICE, as the recipe makes it (kinds/vlm/recipe.py): `lora` (LoRA r=4 on the language model's
 linear layers, everything else frozen), `full` (full fine-tuning, the vision tower frozen, the
 projector trained) or `tower` (everything trained, the vision tower too). FLAGs: `checkpointing` (gradient_checkpointing=True), `save2`
 (a sharded checkpoint every 2 steps), `from=DIR` (resume from DIR, another run's checkpoint),
@@ -13,7 +13,7 @@ made by data.vision.load_image_data and batched by its ImageCollator, in place o
 hand-built batches), `bf16` (bf16=True).
 
 Under fsdp across processes the model is built on the meta device and each rank reads its own
-shards of the folder (hf_vision.load_vision(sharded=True): recipes/hf_sharded.py meta_model
+shards of the folder (hf_vision.load_vision(sharded=True): recipes/hf/sharded.py meta_model
 with AutoModelForImageTextToText); in one process it is transformers' own from_pretrained. The batches are built by hand: each example
 one image (random pixel values; Qwen2.5-VL a 4x4-patch grid) whose image tokens stand in
 input_ids as transformers' processors expand them, the rest random text, labels -100 on the
@@ -55,7 +55,7 @@ STEPS = 3
 
 def examples(config, count: int = 12) -> list[dict]:
     """`count` examples of one image each, for `config`'s family (see the module's docstring)."""
-    from hputrain.models.vision import image_token_id, vision_family
+    from hputrain.kinds.vlm.family import image_token_id, vision_family
 
     family = vision_family(config)
     g = torch.Generator().manual_seed(7)
@@ -89,8 +89,8 @@ def collate(samples: list[dict]) -> dict:
 def packed_blocks(folder: Path, data: str):
     """The packed blocks (128 tokens) of the image data set `data` as the recipe makes them, and
     their collator."""
-    from hputrain.data.vision import Processing, load_image_data, split_rows
-    from hputrain.recipes import hf_data
+    from hputrain.kinds.vlm.data import Processing, load_image_data, split_rows
+    from hputrain.recipes.hf import data as hf_data
     from hputrain.recipes.hf import HFOptions
 
     options = HFOptions(model=str(folder), dataset=data, validation_split_percentage=0, dataset_num_proc=1)
@@ -102,18 +102,18 @@ def packed_blocks(folder: Path, data: str):
 def load(folder: Path, sharded: bool):
     """The folder's model as the recipe loads it (recipes/hf_vision.load_vision, float32): on the
     meta device, filled shard by shard by fsdp, or transformers' from_pretrained."""
-    from hputrain.recipes.hf_vision import load_vision
+    from hputrain.kinds.vlm.recipe import load_vision
 
     return load_vision(folder, sharded=sharded)[0]
 
 
 def prepared(folder: Path, choice: str, sharded: bool):
     """The model to train for `choice`, loaded, frozen and wrapped as the recipe does it
-    (hf_vision.prepare_parts) after torch.manual_seed(0) (recipes/hf.py run: the loading must not
+    (hf_vision.prepare_parts) after torch.manual_seed(0) (recipes/hf/__init__.py run: the loading must not
     move the generator LoRA's adapters are then drawn from), without LoRA dropout (each rank
     would draw its own)."""
     from hputrain.recipes.hf import HFOptions
-    from hputrain.recipes.hf_vision import prepare_parts
+    from hputrain.kinds.vlm.recipe import prepare_parts
 
     torch.manual_seed(0)
     model = load(folder, sharded)

@@ -2,7 +2,7 @@
 Trainer on packed image blocks, for `hputrain doctor`.
 
 `python vlm.py FOLDER DATA`: DATA a `messages` JSONL file with images beside it, encoded and packed
-by hputrain's image data path (data/vision/: buckets, blocks of 96 tokens with a fixed number of
+by hputrain's image data path (kinds/vlm/data/: buckets, blocks of 96 tokens with a fixed number of
 image slots, the collator that puts the batch's real images first). Blocks hold 0 to K real images
 at places that change from step to step; the shapes do not.
 """
@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from hputrain import Trainer, TrainingArguments
-from hputrain.data.vision.encode import Processing
-from hputrain.data.vision.loading import load_image_data
-from hputrain.data.vision.rows import split_rows
-from hputrain.recipes import hf_data
+from hputrain.kinds.vlm.data.encode import Processing
+from hputrain.kinds.vlm.data.loading import load_image_data
+from hputrain.kinds.vlm.data.rows import split_rows
+from hputrain.recipes.hf import data as hf_data
 from hputrain.recipes.hf import HFOptions
 
 

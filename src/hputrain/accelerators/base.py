@@ -230,7 +230,7 @@ class Accelerator(ABC):
         """The device's grouped matrix product for these operands (one dtype), a function
         `(x (S, in), weight (E, in, out), offsets (E,) int32) -> (S, out)` that multiplies each
         expert's block of rows (ending at its offset) by its matrix, or None where the device has
-        none that takes them exactly with fixed shapes: execution/experts/grouped.py's fixed-shape
+        none that takes them exactly with fixed shapes: kinds/moe/experts/grouped.py's fixed-shape
         form runs then."""
         return None
 

@@ -42,6 +42,7 @@ SET_ASIDE_DIR = ".overwritten"  # in output_dir: earlier runs' files, a run-N ea
 _DROPPING = ".deleting-overwritten"  # SET_ASIDE_DIR renamed away before it is deleted
 FINAL_DIR = "final"  # in output_dir: the trained model as save_pretrained writes it, at a run's end
 RECIPE_FILE = "recipe.json"  # in output_dir: what `hputrain train` ran, written at its end
+_METHOD_FILES: list[str] = []  # in output_dir: what methods write beside the metrics (register_run_file)
 _FOLDER_NAME = re.compile(r"checkpoint-(\d+)")
 # What a killed save, re-save or rotation leaves: .tmp-, .old- and .deleting-checkpoint-N.
 _LEFTOVER = re.compile(rf"\.(tmp|old|deleting)-(checkpoint-\d+|{FINAL_DIR})")  # and export's
@@ -49,6 +50,18 @@ _LEFTOVER = re.compile(rf"\.(tmp|old|deleting)-(checkpoint-\d+|{FINAL_DIR})")  #
 
 class CheckpointError(InputError):
     """A checkpoint folder or file that is missing or cannot be read."""
+
+
+def register_run_file(name: str) -> None:
+    """A file or folder a training method writes into output_dir (GRPO's completions.jsonl),
+    set aside with the run's own when a run starts again from the beginning (hputrain/registry.py
+    registers each once)."""
+    if name not in _METHOD_FILES:
+        _METHOD_FILES.append(name)
+
+
+def method_files() -> tuple[str, ...]:
+    return tuple(_METHOD_FILES)
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:

@@ -18,7 +18,7 @@ EXTRA_SUFFIX = "_extra_state"  # the suffix torch gives layers' get_extra_state(
 
 STATE_VIEWS = "hputrain_state_views"
 """The attribute under which a model whose parameters are this rank's part of larger tensors
-without being DTensors (expert parallelism's experts, distributed/expert_parallel.py) carries
+without being DTensors (expert parallelism's experts, kinds/moe/expert_parallel.py) carries
 their views: `names` (state-dict names), `whole(tensor)` (a DTensor of the whole tensor over
 `tensor`'s storage) and `local(tensor)` (back). Checkpoints (DCP) save and reshard them as
 fsdp's shards, and the writers of whole weights gather them."""

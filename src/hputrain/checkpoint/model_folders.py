@@ -10,7 +10,7 @@ modules_to_save). The base model of an adapter folder is `--base-model DIR` when
 adapter_config.json's `base_model_name_or_path` (which hputrain writes as an absolute path:
 export.py). The tokenizer is the adapter folder's own when it has one (a run's final/, with its
 --chat-template), else the base's. The recipes, `hputrain export --merge` and the reward
-functions (training/rewards.py) all read folders through this module.
+functions (methods/grpo/rewards.py) all read folders through this module.
 """
 from __future__ import annotations
 

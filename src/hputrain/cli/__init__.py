@@ -107,7 +107,7 @@ def cmd_export(args) -> int:
     from pathlib import Path
 
     if args.merge is not None:  # a PEFT adapter folder merged into its base: one model folder
-        from ..recipes.hf_export import export_merged
+        from ..recipes.hf.export import export_merged
 
         if not args.output:
             raise InputError("--merge needs --output DIR, the new model folder to write")

@@ -1,5 +1,5 @@
 """`hputrain doctor [--steps N] [--json] SCRIPT [ARGS]`: rehearse Gaudi's lazy mode on the CPU
-(rehearsal/doctor.py) and print what it found."""
+(rehearsal/doctor/__init__.py) and print what it found."""
 from __future__ import annotations
 
 import argparse

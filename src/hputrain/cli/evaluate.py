@@ -15,8 +15,8 @@ import sys
 
 from ..errors import InputError
 from ..recipes.hf import HFOptions
-from ..recipes.hf_data import splits_line
-from ..recipes.hf_eval import evaluate
+from ..recipes.hf.data import splits_line
+from ..recipes.hf.evaluate import evaluate
 
 
 def add_evaluate_parser(sub) -> None:

@@ -1,9 +1,9 @@
 """`hputrain generate`: text from a trained checkpoint of the built-in GPT through graph-captured
 inference (execution/inference.py), or, with `--model DIR --chat QUESTION`, a Hugging Face model's
 answer through its chat template and the static-shape generator of GRPO's rollouts
-(execution/generation.py, recipes/hf_chat.py); the model folder may be a LoRA run's adapter folder
+(execution/generation.py, recipes/hf/chat.py); the model folder may be a LoRA run's adapter folder
 (on its base, or --base-model DIR). With `--image FILE` (repeatable) the folder is an
-image-text-to-text model's and the question is about the images (recipes/hf_vision_chat.py):
+image-text-to-text model's and the question is about the images (kinds/vlm/chat.py):
 through the same static-shape generator, the images in its prefill; such a folder answers a
 question without --image too, encoded as its text rows train."""
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _check_source(args) -> None:
 
 def _chat(args, accelerator) -> int:
     from ..recipes.hf import model_folder
-    from ..recipes.hf_chat import chat_answer
-    from ..recipes.hf_vision_chat import answers_as_vision_model, vision_answer
+    from ..recipes.hf.chat import chat_answer
+    from ..kinds.vlm.chat import answers_as_vision_model, vision_answer
 
     folder = model_folder(args.model, base_model=args.base_model)
     if args.seed is not None:

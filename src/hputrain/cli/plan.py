@@ -1,5 +1,5 @@
 """`hputrain plan [train's flags] --target NAME [--json]`: will one training step fit on the
-target device? The step traced on fake tensors at the asked rank count (rehearsal/plan.py): the
+target device? The step traced on fake tensors at the asked rank count (rehearsal/plan/__init__.py): the
 peak memory per rank by category, and the cheapest changes that make it fit.
 
 The run is described exactly as `hputrain train` takes it (the built-in GPT, or `--model DIR`,

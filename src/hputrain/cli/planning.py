@@ -1,4 +1,4 @@
-"""The run `hputrain train`'s flags describe, planned (rehearsal/plan.py): for `hputrain plan`, and
+"""The run `hputrain train`'s flags describe, planned (rehearsal/plan/__init__.py): for `hputrain plan`, and
 for the one line a training run that runs out of device memory ends with."""
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def planned_step(flags: dict, target: str | None = None):
         args = dataclasses.replace(args, precision="bf16-mixed" if target_runs_bf16(target) else "fp32")
     step = StepModel(**recipe.step_model(options))
     if step.vision is not None:  # an image-text-to-text model: its image blocks (plan_vlm.py)
-        from ..rehearsal.plan_vlm import vlm_step
+        from ..kinds.vlm.plan import vlm_step
 
         return vlm_step(step), args
     method = _method(recipe, options, dataset_given)
@@ -64,8 +64,8 @@ def _method(recipe, options, dataset_given: bool) -> str:
     from the data's columns (read, not the rows), checked against --method and each method's
     flags; without --dataset, from --method, or a flag only one method takes (GRPO's
     --reward-funcs, --num-generations ...; DPO's --ref-model, --precompute-ref-log-probs ...)."""
-    from ..config.grpo import grpo_flags_given
-    from ..config.preference import preference_flags_given
+    from ..methods.grpo.config import grpo_flags_given
+    from ..methods.dpo.config import preference_flags_given
     from ..recipes import hf
 
     if recipe is not hf:
@@ -91,7 +91,7 @@ def _packs_examples(recipe, options, dataset_given: bool) -> bool:
         return False
     if not dataset_given:
         return options.method == "sft"
-    from ..recipes.hf_sft import data_method
+    from ..methods.sft.recipe import data_method
 
     return data_method(options.dataset, options.text_column) != "text"
 
@@ -110,8 +110,8 @@ def _reference_build(recipe, options):
 
 
 def _dpo_step(recipe, options, step):
-    """The DPO step of the run (rehearsal/plan_dpo.py)."""
-    from ..rehearsal.plan_dpo import dpo_step
+    """The DPO step of the run (methods/dpo/plan.py)."""
+    from ..methods.dpo.plan import dpo_step
 
     reference = None if options.precompute_ref_log_probs else _reference_build(recipe, options)
     options = recipe.method_options(options, "dpo")  # DPO's beta and loss_type where not given
@@ -119,8 +119,8 @@ def _dpo_step(recipe, options, step):
 
 
 def _grpo_step(recipe, options, step):
-    """The GRPO step of the run (rehearsal/plan_grpo.py): the reference only with beta > 0."""
-    from ..rehearsal.plan_grpo import grpo_step
+    """The GRPO step of the run (methods/grpo/plan.py): the reference only with beta > 0."""
+    from ..methods.grpo.plan import grpo_step
 
     options = recipe.method_options(options, "grpo")  # GRPO's beta and loss_type where not given
     reference = _reference_build(recipe, options) if options.beta > 0 else None
@@ -134,7 +134,7 @@ _DONE_KEY = "hputrain/out-of-memory-plan-done"
 
 
 def out_of_memory_line(flags: dict, training_args, accelerator) -> str:
-    """What was asked, the peak the device saw, and the plan of the same step (rehearsal/plan.py):
+    """What was asked, the peak the device saw, and the plan of the same step (rehearsal/plan/__init__.py):
     its parts and its cheapest change that fits the device, or why there is none. Checkpoints
     already written are whole (each is renamed into place only once complete).
 

@@ -13,8 +13,8 @@ import os
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments
 from ..config.flags import add_dataclass_flags
-from ..config.grpo import GRPOOptions
-from ..config.preference import PreferenceOptions
+from ..methods.grpo.config import GRPOOptions
+from ..methods.dpo.config import PreferenceOptions
 from ..config.sections import help_groups
 from ..errors import InputError
 from ..recipes import HFOptions, RecipeOptions, chosen_recipe

@@ -193,3 +193,18 @@ def check_choice(name: str, value, choices, foreign: dict[str, str] | None = Non
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}"
                           f"{did_you_mean(value, choices, cutoff=0.6)}")
+
+
+def values_of(cls, options) -> dict:
+    """The fields of the dataclass `cls` as `options` (any object that has them) holds them: a
+    method's settings read from the recipe's options or a config."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(cls)}
+
+
+def fields_given(cls, options, none_is_unset: bool = False) -> list[str]:
+    """The fields of `cls` that `options` sets away from their defaults (`none_is_unset`: a None
+    is not set, where a field shared with another method defaults by method)."""
+    defaults = cls()
+    return [name for name, value in values_of(cls, options).items()
+            if not (none_is_unset and value is None) and value != getattr(defaults, name)]
+

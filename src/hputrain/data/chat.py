@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import InputError
 
@@ -188,3 +189,35 @@ def _overlaps(offset: tuple[int, int], start: int, end: int) -> bool:
     """Whether a token's characters [offset) meet [start, end) (a token the tokenizer added has
     the empty offset (0, 0) and meets nothing)."""
     return offset[0] < end and offset[1] > start
+
+
+def use_chat_template(tokenizer, file: str | None) -> None:
+    """Replace the tokenizer's chat template with the Jinja text of `file` (--chat-template); it is
+    then the one saved with the tokenizer."""
+    if file is None:
+        return
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--chat-template {file} cannot be read: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise InputError(f"--chat-template {file} is empty: give a Jinja chat template")
+    tokenizer.chat_template = text
+
+
+def render_ids(tokenizer, messages: list[dict], where: str, *, generation_prompt: bool = False,
+               tools=None) -> list[int]:
+    """The token ids of `messages` rendered by the tokenizer's chat template (with the generation
+    prompt, and `tools` where the row has them), or one line naming `where` when the tokenizer has
+    no template or the template refuses the conversation: DPO's pairs, a reward model's."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError(f"{where} holds conversations, but the tokenizer has no chat template: "
+                         "pass --chat-template FILE (a Jinja chat template)")
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            add_generation_prompt=generation_prompt)["input_ids"]
+    except Exception as exc:  # the template's own raise_exception(), a Jinja error
+        raise InputError(f"{where}: the chat template cannot render it: {exc}") from None
+    return list(ids)
+

@@ -83,7 +83,7 @@ def normalize_messages(value, where: str, column: str = "messages", message=None
 
     Keys other than role and content (tool_calls, name) are kept unless None (a data set's
     struct column fills missing keys with None, which templates would print). `message(item,
-    where, k, column)` reads one message (by default a text message; data/vision/rows.py's also
+    where, k, column)` reads one message (by default a text message; kinds/vlm/data/rows.py's also
     takes image parts)."""
     if value is None:
         raise InputError(f"{where}: no messages (the {column!r} value is empty)")

@@ -17,7 +17,7 @@ the other ranks had left is then never read, and `pass_ended` says what, once, i
 Rows become samples in one of three ways (`packing`):
 
   "text"    the encoder returns a row's token ids (eos appended); they are joined and cut into
-            blocks of block_size tokens, as recipes/hf_data.py does for a whole corpus. The
+            blocks of block_size tokens, as recipes/hf/data.py does for a whole corpus. The
             position keeps the tokens read but not yet in a block (`pending`); they carry over
             from one shard to the next, and are dropped at the end of a pass.
   "packed"  the encoder returns an SFT example ({"input_ids", "labels"}, or None when it has

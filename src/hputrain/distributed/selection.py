@@ -3,23 +3,16 @@ from __future__ import annotations
 
 from ..config.sections import ParallelismSettings
 from ..errors import InputError
+from ..models.kind import registered
 from .group import ProcessGroup
 from .strategies import DDP, FastDDP, Strategy
 
 
 def set_layout(settings: ParallelismSettings, group: ProcessGroup) -> None:
-    """Before the processes join: the mesh's dimensions the strategy needs (fsdp's shards), and
-    the refusals of an expert-parallel layout."""
-    if settings.expert_parallel_size > 1:
-        from .expert_parallel import check_expert_parallel
-
-        check_expert_parallel(settings.expert_parallel_size, group.world_size,
-                              context_parallel_size=settings.context_parallel_size,
-                              strategy=settings.strategy)
-        if settings.fsdp_init_on_meta:  # each rank would draw the same values for its experts
-            raise InputError(f"fsdp_init_on_meta draws the experts' weights whole, which "
-                             f"expert_parallel_size={settings.expert_parallel_size} splits: build the "
-                             "model eagerly or load it from a model folder")
+    """Before the processes join: the refusals of the kinds' layouts (an expert-parallel one:
+    kinds/moe/), and the mesh's dimensions the strategy needs (fsdp's shards)."""
+    for kind in registered():
+        kind.check_layout(settings, group.world_size)
     if settings.strategy == "fsdp" and group.distributed:
         from .fsdp import dp_shard_size
 
@@ -31,11 +24,8 @@ def select_strategy(settings: ParallelismSettings, group: ProcessGroup, accelera
     runs it in its execution mode (not lazy). expert_parallel_size > 1: the experts split over
     ranks (expert_parallel.py), the strategy on the rest."""
     strategy = _strategy(settings, group, accelerator, precision)
-    if settings.expert_parallel_size > 1:
-        from .expert_parallel import ExpertParallel
-
-        return ExpertParallel(strategy, group, settings.expert_parallel_size, settings.seed,
-                              settings.expert_capacity_factor)
+    for kind in registered():  # a kind's parallel layout around it (expert parallelism)
+        strategy = kind.parallel(strategy, settings, group)
     return strategy
 
 

@@ -19,7 +19,7 @@ This module reaches the same kernels without touching those files:
 - experts (mixture of experts): a dropless experts function with static shapes registered with
   transformers' `ExpertsInterface` (public since 5.0) as "hputrain" and selected in place of its
   default "grouped_mm", and Llama 4's MoE blocks, which the interface does not reach, swapped for
-  modules holding the same Parameters (execution/experts/).
+  modules holding the same Parameters (kinds/moe/experts/).
 
 The choice made here is transformers' default only: a model whose attention implementation is
 anything but "sdpa" (a user's explicit "eager", "flash_attention_2", ...) keeps it, and one whose
@@ -35,7 +35,7 @@ from torch import nn
 
 from ..distributed import context_parallel
 from ..errors import InputError
-from .experts import use_static_experts
+from ..models.kind import registered
 
 ATTENTION = "hputrain"  # our name in transformers' AttentionInterface
 FALLBACK = "attention: fallback"  # the summary's count of calls sent to transformers' sdpa
@@ -71,8 +71,8 @@ def substitute(model: nn.Module, accelerator, fused_kernels) -> dict[str, int]:
         summary[f"attention: {offered['attention']}"] = count
     if offered["rms_norm"] and (count := _swap_rms_norms(model, shared)):
         summary[f"rms_norm: {offered['rms_norm']}"] = count
-    if offered.get("experts") and (count := use_static_experts(model, shared)):
-        summary[f"experts: {offered['experts']}"] = count
+    for kind in registered():  # the kinds' kernels: a mixture of experts' static experts
+        summary.update(kind.substitute_kernels(model, offered, shared))
     return summary
 
 

@@ -1,29 +1,92 @@
-"""A Hugging Face model's kind, from its config, for the run header: an image-text-to-text model
-(its family: models/vision.py), a mixture of experts (how many experts, how many per token) or
-dense."""
+"""A model kind as the core sees it: what a kind's folder (kinds/moe/, kinds/vlm/) gives the loop,
+the kernels, the packing, the strategies and the header, without the core naming it.
+
+A kind subclasses `ModelKind` and overrides the hooks it needs; every hook of the base does
+nothing, so a dense decoder (no kind matches it) goes through the same calls. hputrain/registry.py
+registers each kind once (`register`); the core asks `kinds_of(config)` for those that match a
+model (a mixture of experts with images matches both) and `registered()` for every one (the
+strategy's layout, which is chosen before any model is).
+"""
 from __future__ import annotations
 
-# the config fields transformers' MoE families name their expert count and top-k with
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
+import contextlib
+from collections.abc import Callable
 
 
-def experts_and_top_k(config) -> tuple[int, int] | None:
-    """(experts per MoE layer, experts per token) of a mixture of experts' config (its text
-    config for a multimodal model), or None for a dense model."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = next((v for name in _EXPERT_COUNTS if isinstance(v := getattr(text, name, None), int)), None)
-    top_k = next((v for name in _TOP_K if isinstance(v := getattr(text, name, None), int)), None)
-    if not experts or experts < 2 or not top_k:
+class ModelKind:
+    """The hooks a model kind implements (see the module docstring); here, a dense decoder's."""
+
+    name = "dense"
+
+    def matches(self, config) -> bool:
+        """Whether a model of this transformers config (None: not a Hugging Face model) is one."""
+        return False
+
+    def describe(self, config, args=None) -> str | None:
+        """The run header's words on the model ("mixture of experts: 8 experts, top-2"), with
+        what `args` (the TrainingArguments) make of it."""
         return None
-    return experts, top_k
+
+    def substitute_kernels(self, model, offered: dict, shared: dict) -> dict[str, int]:
+        """The device's kernels swapped into the model (execution/kernels.py's `offered` and
+        `shared`): {"experts: static": 48, ...}."""
+        return {}
+
+    def prepare(self, model, args) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """Before the model is converted and placed: the forward's swaps. Returns what makes the
+        context every forward of the run is called in (None: none)."""
+        return None
+
+    def extras(self, model, args, group, inputs, device):
+        """The model's extra losses and metrics beside the method's (training/extras.py's
+        interface: a mixture of experts' router), or None."""
+        return None
+
+    def parts(self, module, param) -> int:
+        """Into how many ranks' parts this kind split `param` of `module` (1: whole here)."""
+        return 1
+
+    def packing_keys(self) -> frozenset[str]:
+        """Keys of a packed batch the model never takes but the loop keeps (an image count)."""
+        return frozenset()
+
+    def block_mask(self, config) -> tuple[int | None, str] | None:
+        """For a packed block's mask (training/packed.py): the token id whose runs attend both
+        ways (None: causal as text) and the positions' form ("1d", "3d"); None: text's."""
+        return None
+
+    def check_layout(self, settings, world_size: int, config=None, model_name: str = "the model") -> None:
+        """Refuse a parallel layout of this kind's in one line: before the processes join
+        (`config` None), and again once the model's config is known."""
+
+    def parallel(self, strategy, settings, group):
+        """The strategy with this kind's parallel layout around it (expert parallelism), or the
+        strategy as it is."""
+        return strategy
 
 
-def describe(config) -> str:
-    """"image-text-to-text: LLaVA", "mixture of experts: 8 experts, top-2" or "dense"."""
-    from .vision import describe as describe_vision, is_image_text_to_text
+_KINDS: list[ModelKind] = []
 
-    if is_image_text_to_text(config):
-        return describe_vision(config)
-    moe = experts_and_top_k(config)
-    return f"mixture of experts: {moe[0]} experts, top-{moe[1]}" if moe else "dense"
+
+def register(kind: ModelKind) -> None:
+    """Make `kind` known to the core (hputrain/registry.py, once per kind; idempotent)."""
+    if all(type(known) is not type(kind) for known in _KINDS):
+        _KINDS.append(kind)
+
+
+def registered() -> list[ModelKind]:
+    return list(_KINDS)
+
+
+def kinds_of(config) -> list[ModelKind]:
+    """The registered kinds a model of this config is (none: a dense decoder)."""
+    return [kind for kind in _KINDS if config is not None and kind.matches(config)]
+
+
+def describe(config, args=None) -> str:
+    """"image-text-to-text: LLaVA", "mixture of experts: 8 experts, top-2" or "dense": the first
+    matching kind's words (an image model's before its experts')."""
+    for kind in kinds_of(config):
+        if (words := kind.describe(config, args)) is not None:
+            return words
+    return "dense"

@@ -14,6 +14,26 @@ from ..execution.kernels import describe
 from ..training.report import write_report
 
 
+def train_and_finish(trainer, header, record: dict, after=None, end: str = "\n") -> int:
+    """What every Hugging Face recipe does once its trainer is made: `header()` printed on rank 0,
+    the run trained, final/ written (every rank: a sharded model is gathered first), then on rank
+    0 the recipe `record` and the run's files, and `after(final)`'s lines (what to load, the
+    method's own counts) when final/ was written. The run's exit status."""
+    if trainer.group.is_main:
+        print(header(), end=end)
+    output = trainer.train()
+    if output.already_done:  # a finished run, run again: said by the trainer, nothing written
+        return 0
+    final = save_final(trainer, output)
+    if not trainer.group.is_main:
+        return 0
+    write_recipe(trainer.args.output_dir, record)
+    status = report_outputs(trainer, output)
+    if status is None and final is not None and after is not None:
+        print(after(final))
+    return status or 0
+
+
 def kernels_line(trainer) -> str:
     """", kernels: attention: sdpa ×2, ..." when the trainer swapped in device kernels, else ""."""
     return f", kernels: {describe(trainer.kernels)}" if trainer.kernels else ""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads
-from .doctor_experts import EXPERTS_READ, ExpertsSeen, routing_finding
+from ..kinds.moe.doctor import EXPERTS_READ, ExpertsSeen, routing_finding
 from .shapes import MAX_SHAPES, ShapeCensus, shape_text
 
 _PACKAGE = str(Path(__file__).parents[1])  # hputrain itself: its frames are not the user's
@@ -417,7 +417,7 @@ def _describe(site: SyncSite) -> str:
 _GRPO_MASK_READ = (
     "transformers reads the attention_mask in each training forward to see whether it can skip "
     "it. GRPO's rows are left-padded prompts followed by completions, so the mask matters and "
-    "cannot be left out; the forward is hputrain's own GRPO step (training/grpo.py hands the model "
+    "cannot be left out; the forward is hputrain's own GRPO step (methods/grpo/trainer.py hands the model "
     "the 2-D mask), not a line of your script: the fix is for hputrain to hand the model a 4-D "
     "mask built on the device, as its generation does, so that transformers builds none.")
 _GENERIC_FIX = "keep values on the device and read them at logging steps."

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .loss import TokenCount
-from .router import NoRouter, token_mask
+from .extras import ModelExtras, token_mask
 
 
 @dataclass
@@ -51,9 +51,9 @@ class Loop:
     `like_trained=True` keeps the policy's dtype too (Precision.convert_frozen)."""
     device_scalar: Callable[[float], torch.Tensor]
     """A number copied to the device as graph input data (no new lazy graph when it changes)."""
-    router: NoRouter = field(default_factory=NoRouter)
-    """A mixture of experts' router (router.py): the logits of call_model's forwards recorded,
-    so that the loop adds its load-balancing loss to the method's."""
+    router: ModelExtras = field(default_factory=ModelExtras)
+    """The model's extra losses (training/extras.py: a mixture of experts' router): the logits of
+    call_model's forwards recorded, so that the loop adds its load-balancing loss to the method's."""
 
     def call_model(self, module: torch.nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor, **extra) -> object:

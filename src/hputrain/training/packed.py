@@ -22,8 +22,8 @@ forward takes as it is; the sliding one also drops the keys `sliding_window` or 
 (transformers' sliding_window_overlay). A model whose every layer slides without types (Mistral)
 gets the window in its one mask. A window at least the block's length changes nothing.
 
-An image-text-to-text model's blocks (data/vision/) get two things more, from the model's family
-(models/vision.py):
+An image-text-to-text model's blocks (kinds/vlm/data/) get two things more, from the model's kind
+(models/kind.py's `block_mask`: kinds/vlm/family.py says which family does what):
 - Gemma 3 (bidirectional_images): the tokens of one image see each other both ways, as
   transformers' own mask for a training batch does (token_type_ids: a contiguous run of image
   tokens is one group, get_block_sequence_ids_for_mask in its modeling file), before the window
@@ -38,15 +38,18 @@ import torch
 
 from ..data.batching import base_model
 from ..data.packing import block_causal_mask
-from ..data.vision.blocks import IMAGE_COUNT  # read by the image collator, never the model
 from ..errors import InputError
-from ..models.vision import image_token_id, vision_family
+from ..models.kind import kinds_of, registered
 
 SEQ_LENS = "seq_lens"
 """The batch key of a packed block's example lengths."""
 
-PACKING_KEYS = frozenset({SEQ_LENS, IMAGE_COUNT})
-"""Batch keys the model never takes but the Trainer keeps in samples (see `model_inputs`)."""
+
+
+def packing_keys() -> frozenset[str]:
+    """Batch keys the model never takes but the Trainer keeps in samples: `seq_lens`, and the
+    kinds' (an image block's image count, read by the image collator)."""
+    return frozenset({SEQ_LENS}).union(*(kind.packing_keys() for kind in registered()))
 
 
 class PackedInputs:
@@ -97,11 +100,11 @@ class BlockMask:
         per_type = "sliding_attention" in types and types <= {"full_attention", "sliding_attention"}
         if types and not per_type and types != {"sliding_attention"}:
             window = None  # no layer slides (or a kind of layer this mask does not build)
-        family = vision_family(config)
-        if family is None:
+        images = next(filter(None, (kind.block_mask(config) for kind in kinds_of(config))), None)
+        if images is None:
             return cls(None, window, per_type and len(types) > 1)
-        return cls(image_token_id(config) if family.bidirectional_images else None, window,
-                   per_type and len(types) > 1, family.positions)
+        image_token, positions = images
+        return cls(image_token, window, per_type and len(types) > 1, positions)
 
     def __call__(self, batch: dict, seq_lens: torch.Tensor, dtype: torch.dtype) -> dict:
         input_ids = batch["input_ids"]

@@ -1,18 +1,19 @@
 """The model as a run prepares it, in one place: the Trainer calls `prepare_model`, and so does
-`hputrain plan` (rehearsal/plan.py), which traces a step of the model prepared the same way. A
+`hputrain plan` (rehearsal/plan/__init__.py), which traces a step of the model prepared the same way. A
 kernel, a precision or a strategy added here is then planned as it runs, with no second copy.
 
 The order, each step before the next for a reason:
 
 1. the device's kernels (execution/kernels.py): a module swap that keeps parameter names, made
-   on the model as the user gave it, before anything looks at its modules; for an
-   image-text-to-text model, the static image merge (execution/vision.py: its image features
+   on the model as the user gave it, before anything looks at its modules; then the swaps of
+   the model's kinds (models/kind.py's `prepare`): for an image-text-to-text model, the static
+   image merge (kinds/vlm/execution.py: its image features
    merged without a count read back to the host, on blocks with padded image slots);
 2. the precision's conversion (fp8 replaces Linear layers), then the model on this rank's device
    (a model on the meta device stays there: fsdp shards it before it materialises it); under
    expert parallelism the strategy's `place` first keeps this rank's experts, so that no device
    receives every expert, and under ddp fills a meta model from its weight source, each rank
-   reading only its own experts (distributed/expert_parallel.py);
+   reading only its own experts (kinds/moe/expert_parallel.py);
 3. activation checkpointing, before the strategy wraps the blocks it checkpoints;
 4. the keyword inputs the forward takes, and PackedInputs, which turns a packed block's
    `seq_lens` into its block mask in the dtype attention computes in (known only now);
@@ -29,10 +30,8 @@ import torch
 from ..data.batching import model_input_names
 from ..distributed.activation_checkpointing import apply_activation_checkpointing
 from ..execution import kernels as device_kernels
-from ..execution.experts import parallel as expert_parallel
 from ..execution import modes as execution
-from ..execution.vision import image_model, static_batches, static_image_merge
-from ..models.vision import vision_family
+from ..models.kind import kinds_of
 from .packed import PackedInputs
 
 
@@ -51,9 +50,10 @@ class Prepared:
     """The keyword inputs the model's forward takes (None: it takes **kwargs only)."""
     packed: PackedInputs
     """A packed block's `seq_lens` -> its block mask, on the device (training/packed.py)."""
-    images: torch.nn.Module | None = None
-    """An image-text-to-text model's module that merges image features, told around each
-    forward that the batch is hputrain's blocks (execution/vision.static_batches)."""
+    contexts: tuple = ()
+    """What makes the contexts each forward is called in, from the model's kinds (an
+    image-text-to-text model's image merge told that the batch is hputrain's blocks:
+    kinds/vlm/execution.static_batches)."""
 
     def forward(self, module: torch.nn.Module, batch, **loss_kwargs):
         """`module` (the wrapped model, or another view of it) on a batch: a dict by keyword (its
@@ -61,7 +61,9 @@ class Prepared:
         for a model that takes them; a list or tuple by position; else the batch itself."""
         if isinstance(batch, dict):
             batch, inputs = self.packed(batch), self.inputs
-            with static_batches(self.images):  # an image model's blocks (execution/vision.py)
+            with contextlib.ExitStack() as stack:
+                for context in self.contexts:  # an image model's blocks (kinds/vlm/execution.py)
+                    stack.enter_context(context())
                 return module(**{k: v for k, v in batch.items() if inputs is None or k in inputs},
                               **loss_kwargs)
         if isinstance(batch, (list, tuple)):
@@ -79,12 +81,8 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         accelerator.attention_recompute = args.attention_recompute
     with _real_tensors():
         kernels = device_kernels.substitute(model, accelerator, args.fused_kernels)
-    images = None
-    if vision_family(getattr(model, "config", None)) is not None:
-        static_image_merge(model)
-        images = image_model(model)
-    if getattr(args, "expert_parallel_size", 1) > 1:  # the forward the strategy's split selects
-        expert_parallel.register()
+    # the kinds' swaps: the static image merge, the expert-parallel forward (models/kind.py)
+    contexts = [kind.prepare(model, args) for kind in kinds_of(getattr(model, "config", None))]
     placed = precision.convert_module(model)
     if device is not None:
         placed = strategy.place(placed, device)
@@ -96,7 +94,7 @@ def prepare_model(model: torch.nn.Module, args, settings, *, accelerator, precis
         wrapped = accelerator.wrap_graph_training(wrapped)
     elif capture and accelerator.execution_mode == "compile":
         wrapped = execution.compile_model(wrapped, settings.execution, accelerator)
-    return Prepared(placed, wrapped, kernels, inputs, packed, images)
+    return Prepared(placed, wrapped, kernels, inputs, packed, tuple(filter(None, contexts)))
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """`hputrain report RUN_DIR`: PNG plots of loss, throughput and memory from RUN_DIR/metrics.jsonl.
 A GRPO run's (its records have a reward) plots its reward instead of its loss, which is near 0 by
 construction (the advantages of a group sum to 0), so says nothing of what it learns. A mixture
-of experts' run (training/router.py) also gets router.png: its router loss (aux_loss,
+of experts' run (kinds/moe/router.py) also gets router.png: its router loss (aux_loss,
 eval_aux_loss) and, per MoE layer, the busiest expert's load over the mean (router/max_load.layerN)
 and the share of experts no token picked (router/dead_experts.layerN).
 

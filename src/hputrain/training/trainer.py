@@ -27,7 +27,7 @@ from ..callbacks.profiler import PROFILE_DIR
 from ..callbacks.writers import METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, notice
 from ..checkpoint import export
 from ..checkpoint import saving as checkpoint
-from ..checkpoint.folder import (FINAL_DIR, RECIPE_FILE, checkpoint_dir, drop_set_aside,
+from ..checkpoint.folder import (FINAL_DIR, RECIPE_FILE, checkpoint_dir, drop_set_aside, method_files,
                                  lock_output_dir, rotate_checkpoints)
 from ..checkpoint.start import Start, agree_on_start, load_start, reached_end
 from ..config.accelerator_config import AcceleratorConfig
@@ -51,11 +51,10 @@ from .evaluation import PredictionOutput, loss_of, pad_and_concat  # noqa: F401 
 from .intervals import BestCheckpoint, Intervals, total_steps_of
 from .objective import Loop, Objective
 from .optim import create_optimizer, create_scheduler, resume_notes
-from .packed import PACKING_KEYS
+from .packed import packing_keys
 from .prepare import prepare_model
 from .report import PLOT_FILES
-from .router import router_of, token_mask
-from .rewards import COMPLETIONS_FILE
+from .extras import model_extras, token_mask
 from .signals import StopSignals
 from .telemetry import ThroughputClock, flops_per_token, job_peak_flops
 
@@ -124,7 +123,8 @@ class Trainer(CallbackHost):
         # the training method (objective.py): language modelling unless a method says otherwise
         self.objective = objective if objective is not None else Objective()
         self.count_tokens = self.objective.count_tokens(model)
-        self.router = router_of(self.model, args, self.group, self.inputs, self.device)  # MoE
+        # the model kind's extra losses and metrics (a MoE's router: kinds/moe/router.py)
+        self.router = model_extras(self.model, args, self.group, self.inputs, self.device)
         self.context_parallel = context_parallel_of(self.group, self.inputs)
         self.optimizer = self.scheduler = None
         self._device_users = 0  # train/evaluate/predict calls under way (see _model_on_device)
@@ -152,7 +152,7 @@ class Trainer(CallbackHost):
             self.group.barrier()
             start = agree_on_start(self.group, self.args.output_dir, resume_from_checkpoint
                                    or self.args.resume_from_checkpoint,
-                                   overwrite=self.args.overwrite_output_dir, files=_RUN_FILES,
+                                   overwrite=self.args.overwrite_output_dir, files=_RUN_FILES + method_files(),
                                    metrics=METRICS_FILE)
             self._job = start.job  # recorded in this run's checkpoints: its restarts continue them
             if start.note is not None:  # starting from the beginning: what of an earlier run moved
@@ -368,7 +368,7 @@ class Trainer(CallbackHost):
         if self.objective.collate is not None:
             return self.objective.collate  # the method builds the model's inputs itself
         dropping = self.inputs is not None and self.args.remove_unused_columns
-        keep = self.inputs | LABEL_NAMES | PACKING_KEYS if dropping else None
+        keep = self.inputs | LABEL_NAMES | packing_keys() if dropping else None
         return DropUnusedColumns(self.collate, keep)
 
     def _on_device_scalar(self, value: float, dtype=torch.float32) -> torch.Tensor:
@@ -582,8 +582,9 @@ class Trainer(CallbackHost):
                          f"{self.best.metric:g})")
 
 
-# what a run writes into output_dir (recipes' too): set aside by a run from the beginning (start.py)
-_RUN_FILES = (METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, COMPLETIONS_FILE, PROFILE_DIR, FINAL_DIR,
+# what a run writes into output_dir (recipes' too; the methods' own: checkpoint/folder.method_files): set
+# aside by a run from the beginning (start.py)
+_RUN_FILES = (METRICS_FILE, SUPERSEDED_FILE, TENSORBOARD_DIR, PROFILE_DIR, FINAL_DIR,
               RECIPE_FILE, *PLOT_FILES)
 
 # the keywords Trainer takes, for the one line on another one (config.arguments.check_trainer_kwargs)
