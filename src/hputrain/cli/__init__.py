@@ -202,6 +202,25 @@ class _ClosedPipeQuiet:
         return getattr(self._stream, name)
 
 
+def run() -> None:
+    """The `hputrain` command and `python -m hputrain.cli`: main(), then the process ends. A rank
+    of a job that mpirun, srun or torchrun started (not `hputrain launch`, whose workers end in
+    distributed/entry.py), having joined its process group here, ends as those workers do
+    (entry.leave): without the interpreter's final teardown, where a Gloo thread finishing the
+    last collective aborts a process now and then (SIGABRT, "terminate called without an active
+    exception")."""
+    status = main()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from ..distributed.launch import LAUNCHER_PID
+
+        if LAUNCHER_PID not in os.environ:
+            from ..distributed.entry import leave
+
+            leave(status)
+    sys.exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _ClosedPipeQuiet(sys.stdout), _ClosedPipeQuiet(sys.stderr)

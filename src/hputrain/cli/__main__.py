@@ -1,6 +1,4 @@
 """`python -m hputrain.cli ...`: the same as the `hputrain` command."""
-import sys
+from . import run
 
-from . import main
-
-sys.exit(main())
+run()

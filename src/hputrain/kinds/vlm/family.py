@@ -9,6 +9,8 @@ line naming what is missing (`refusal`).
 """
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 
 
@@ -52,7 +54,11 @@ def vision_family(config) -> VisionFamily | None:
 
 
 def is_image_text_to_text(config) -> bool:
-    """Whether transformers loads `config` with AutoModelForImageTextToText (covered or not)."""
+    """Whether transformers loads `config` with AutoModelForImageTextToText (covered or not). A
+    config made without transformers (the built-in GPT's) is not: transformers, seconds to import
+    and a library of its own at exit, is never imported for it."""
+    if "transformers" not in sys.modules:
+        return False
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     except ImportError:  # transformers too old to have the class
