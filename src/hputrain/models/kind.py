@@ -46,6 +46,11 @@ class ModelKind:
         """Into how many ranks' parts this kind split `param` of `module` (1: whole here)."""
         return 1
 
+    def adapted_where(self, config, names: list[str]) -> str | None:
+        """Where LoRA's adapters (`names`: the adapted modules) sit, for the header ("in the
+        language model and the vision tower"); None: nothing to say."""
+        return None
+
     def packing_keys(self) -> frozenset[str]:
         """Keys of a packed batch the model never takes but the loop keeps (an image count)."""
         return frozenset()

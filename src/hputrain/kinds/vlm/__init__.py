@@ -30,6 +30,13 @@ class ImageTextToText(ModelKind):
         inner = image_model(model)
         return None if inner is None else (lambda: static_batches(inner))
 
+    def adapted_where(self, config, names: list[str]) -> str | None:
+        family = vision_family(config)
+        if family is None:
+            return None
+        tower = f".{family.tower}." in "".join(f".{name}." for name in names)
+        return f"in the language model{' and the vision tower' if tower else ''}"
+
     def packing_keys(self) -> frozenset[str]:
         from .data.blocks import IMAGE_COUNT
 

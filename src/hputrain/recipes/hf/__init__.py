@@ -28,7 +28,6 @@ from .common import choose_block_size  # noqa: F401  (imported from here too)
 from .common import model_line
 # imported from here too
 from .methods import data_kind, is_preference, is_prompts, method_options  # noqa: F401
-from ...kinds.vlm.recipe import loads_as_causal_lm
 
 METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
 """--method's values."""
@@ -301,11 +300,12 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
 
 def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
-    """An expert-parallel layout the model and the world allow (one line otherwise, before any
-    weight is read; kinds/moe/expert_parallel.py)."""
+    """A parallel layout the model's kinds and the world allow (an expert-parallel one: one line
+    otherwise, before any weight is read; models/kind.py's `check_layout`)."""
     import transformers
 
-    from ...kinds.moe.expert_parallel import check_expert_parallel
+    from ...config.sections import Sections
+    from ...models.kind import registered
 
     size = training_args.expert_parallel_size
     if options.lora_r and "experts" in (options.lora_target_modules or []):
@@ -314,9 +314,8 @@ def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
                          "dense layers, or set expert_parallel_size=1")
     world = int(os.environ.get("WORLD_SIZE") or training_args.devices * training_args.num_nodes)
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    check_expert_parallel(size, world, config=config, model_name=options.model,
-                          context_parallel_size=training_args.context_parallel_size,
-                          strategy=training_args.strategy)
+    for kind in registered():
+        kind.check_layout(Sections.of(training_args).parallelism, world, config, options.model)
 
 
 def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir,
@@ -455,6 +454,8 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
+    from ...kinds.vlm.recipe import loads_as_causal_lm  # (it builds on this module: imported here)
+
     if task == CAUSAL_LM and is_image_text_to_text(config) and not loads_as_causal_lm(config):
         raise InputError(f"{flag} {folder} holds an image-text-to-text model ({describe_vision(config)}), "
                          f"not a causal language model: {flag} does not take one here")

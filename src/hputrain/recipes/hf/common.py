@@ -69,16 +69,15 @@ def _whole_counts(model) -> tuple[int, int]:
 def _adapted(model) -> str:
     """The layers PEFT adapted, by name ("q_proj, v_proj"), and under which part of an
     image-text-to-text model ("in the language model and the vision tower"): what a target
-    regular expression (an image-text-to-text model's, kinds/vlm/recipe.py) selected."""
-    from ...kinds.vlm.family import vision_family
+    regular expression (an image-text-to-text model's, kinds/vlm/recipe.py) selected: the
+    model kind's words (models/kind.py's `adapted_where`)."""
+    from ...models.kind import kinds_of
 
     names = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
     layers = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in names}))
-    family = vision_family(getattr(model, "config", None))
-    if family is None:
-        return layers
-    tower = f".{family.tower}." in "".join(f".{name}." for name in names)
-    return f"{layers} in the language model{' and the vision tower' if tower else ''}"
+    config = getattr(model, "config", None)
+    where = next(filter(None, (kind.adapted_where(config, names) for kind in kinds_of(config))), None)
+    return layers if where is None else f"{layers} {where}"
 
 
 def _class_name(model) -> str:

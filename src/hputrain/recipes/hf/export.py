@@ -15,7 +15,6 @@ from ...checkpoint.export import save_model
 from ...checkpoint.model_folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ...errors import InputError
 from . import load_model, model_folder
-from ...kinds.vlm.recipe import has_processor_files, load_vision, saver, vision_config
 
 
 def export_merged(adapter: str, output: str, base_model: str | None = None) -> Path:
@@ -31,6 +30,8 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
     # image-text-to-text, written with its processor (a folder without one: the causal-LM path)
+    from ...kinds.vlm.recipe import has_processor_files, load_vision, saver, vision_config
+
     if vision_config(folder, base_model, images=has_processor_files(folder, base_model)) is not None:
         merged, processing = load_vision(folder, "--merge", base_model=base_model, merge=True)
         tokenizer = saver(processing)
