@@ -28,8 +28,8 @@ def test_the_top_of_the_package_stays_small():
 
 
 def test_no_three_files_of_a_folder_share_a_name_prefix():
-    """Issue 48: a prefix shared by three files (hf_vision.py, hf_vision_run.py, hf_vision_chat.py;
-    plan_dpo.py, plan_grpo.py, plan_moe.py) is a folder waiting to exist."""
+    """Issue 48: a prefix shared by three files (kinds/vlm/recipe.py, kinds/vlm/run.py, kinds/vlm/chat.py;
+    methods/dpo/plan.py, methods/grpo/plan.py, kinds/moe/plan.py) is a folder waiting to exist."""
     crowded = {}
     for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
         groups: dict[str, list[str]] = {}

@@ -42,7 +42,7 @@ def planned_step(flags: dict, target: str | None = None):
     if args.precision == "auto" and target is not None:  # the planned device's, not this one's
         args = dataclasses.replace(args, precision="bf16-mixed" if target_runs_bf16(target) else "fp32")
     step = StepModel(**recipe.step_model(options))
-    if step.vision is not None:  # an image-text-to-text model: its image blocks (plan_vlm.py)
+    if step.vision is not None:  # an image-text-to-text model: its image blocks (kinds/vlm/plan.py)
         from ..kinds.vlm.plan import vlm_step
 
         return vlm_step(step), args

@@ -1,5 +1,5 @@
 """What `hputrain doctor` reports, whatever ran the steps: the findings and notes built from the
-per-step records of a rehearsal (doctor.py's hputrain Trainer path, doctor_loop.py's plain Gaudi
+per-step records of a rehearsal (doctor.py's hputrain Trainer path, rehearsal/doctor/loop.py's plain Gaudi
 loop), and where in the user's code a host read or an eager op happened.
 
 A record is one watched step: {"step", "compiles" (new lazy graphs), "host_syncs" (reads back to
@@ -88,7 +88,7 @@ class RunShapes:
     length_buckets / pad_to_multiple_of or given), or "yours"."""
     skipped: str | None = None
     fix: str | None = None
-    """How to pad to a few lengths, in the words of the script's own trainer (doctor_hf.py words
+    """How to pad to a few lengths, in the words of the script's own trainer (rehearsal/doctor/hf.py words
     it in transformers' arguments); None: in hputrain's TrainingArguments (shape_fix)."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """What the doctor knows about this batch source, for the report's notes (GRPO's shapes)."""
@@ -148,7 +148,7 @@ def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes 
              experts: list[ExpertsSeen] = ()) -> dict:
     """The report: per-step figures, the shapes of the whole run (`run`, when its batches were
     walked), findings (each naming the problem and the fix) and notes (what was seen and is fine,
-    and what was left out). `experts`: what ran inside MoE experts modules (doctor_experts.py);
+    and what was left out). `experts`: what ran inside MoE experts modules (kinds/moe/doctor.py);
     experts whose shapes follow the routing are one finding, which explains the recompilations,
     and their reads and eager ops are left to it."""
     shapes = _shape_history(records, warmup)

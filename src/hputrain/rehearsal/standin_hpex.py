@@ -6,7 +6,7 @@ keeps in its graph (standin.py puts them in place; docs/doctor.md lists them for
   bias_correction=True)`: AdamW with decoupled weight decay, the update torch.optim.AdamW makes
   with the same eps (Gaudi's default eps is 1e-6, torch's 1e-8). Gaudi's calls mark_step before
   its update and after it, in lazy mode: so does this one, and the doctor ends the step's graph
-  there (`ENDS_STEP`, doctor_loop.py).
+  there (`ENDS_STEP`, rehearsal/doctor/loop.py).
 - `hpex.normalization.FusedClipNorm(parameters, max_norm).clip_norm(parameters)`: the gradients
   scaled in place to a total 2-norm of at most max_norm, and that norm before clipping returned,
   as torch.nn.utils.clip_grad_norm_ does; a mark_step before and after, as Gaudi's.

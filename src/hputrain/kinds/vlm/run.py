@@ -1,5 +1,5 @@
 """`hputrain train --model VLMDIR --dataset IMAGEDATA` and `hputrain evaluate` on image data: an
-image-text-to-text folder (hf_vision.py) fine-tuned on TRL's vision rows (kinds/vlm/data/), in blocks
+image-text-to-text folder (kinds/vlm/recipe.py) fine-tuned on TRL's vision rows (kinds/vlm/data/), in blocks
 of fixed shapes: S tokens and K image slots, packed without cross-talk (or one example a block
 with --no-packing), through the same Trainer, strategies, checkpoints and resume as text.
 

@@ -78,7 +78,7 @@ def run_dpo(options, training_args, accelerator_config, folder: Path, model, tok
 @dataclasses.dataclass(frozen=True)
 class PairForm:
     """A method's preference pairs as `load_pairs` makes them (DPO's here, a reward model's in
-    hf_reward.py): `encode(context, rows) -> (part, stats)`, the work of one tokenizing process;
+    methods/reward/recipe.py): `encode(context, rows) -> (part, stats)`, the work of one tokenizing process;
     `join` of the parts; its cache's `write(folder, (pairs, stats))` and `read(folder)` ((pairs,
     stats), None when missing or damaged); `stats`, a dataclass of counts summed over the parts
     and the splits; `extra`, what else decides the tokens (part of the cache's key); `empty`, why

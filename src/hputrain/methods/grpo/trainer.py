@@ -150,7 +150,7 @@ class GRPOObjective(Objective):
         self.max_steps = 0  # the run's steps (reward functions' trainer_state), from train_batches
         self.logged: dict[str, list[float]] = {}  # the functions' log_metric values since a record
         self._eval_prompts = None  # (data set, its rows, kept indices, prompt ids): encoded once
-        self.collate = first_batch  # evaluation's batches come whole (grpo_eval.py)
+        self.collate = first_batch  # evaluation's batches come whole (methods/grpo/evaluation.py)
         self.generation_seconds, self.since = 0.0, time.perf_counter()
 
     def bind(self, loop) -> None:
@@ -479,7 +479,7 @@ class GRPOObjective(Objective):
             self.since += time.perf_counter() - start
 
     def eval_dataset(self, dataset) -> EvalRollouts:
-        """The validation prompts as evaluate() reads them (grpo_eval.py): one batch per rank
+        """The validation prompts as evaluate() reads them (methods/grpo/evaluation.py): one batch per rank
         per evaluation batch, generated and rewarded when evaluate() comes to it."""
         if self._eval_prompts is None or self._eval_prompts[0] is not dataset:
             rows = [dict(row) for row in dataset]

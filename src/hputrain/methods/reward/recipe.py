@@ -13,7 +13,7 @@ head), as a LoRA run's final/ is for the other methods. Validation: the data set
 --block-size is the longest sequence kept: longer pairs are left out (TRL's max_length). The rows are encoded once per node by
 --dataset-num-proc processes and cached in output_dir/.cache (or --cache-dir), through DPO's
 code (hf_dpo.load_pairs). Under fsdp across processes the model is loaded shard by shard, as
-the other recipes load it (hf_sharded.py).
+the other recipes load it (recipes/hf/sharded.py).
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def load_reward_model(folder: Path, from_scratch: bool = False, sharded: bool = 
     """(sequence classifier with num_labels=1 in float32, tokenizer, how its score head came to
     be) from `folder`, offline. A head the folder does not hold (a causal LM's folder, or a
     classifier of more labels) is drawn anew, and said so. `sharded` (fsdp across processes):
-    built on the meta device, each rank reading its own shards (hf_sharded.py; the head drawn
+    built on the meta device, each rank reading its own shards (recipes/hf/sharded.py; the head drawn
     as from_pretrained draws it), unless the folder's tensors do not map onto it."""
     os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
     import torch

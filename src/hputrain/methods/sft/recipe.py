@@ -4,7 +4,7 @@ blocks without cross-talk (data/packing.py) or padded to a few lengths, and cach
 
 The method comes from the data's columns: `messages` (TRL's conversational rows), `conversations`
 (ShareGPT) or `prompt` + `completion` mean SFT, whatever else the rows hold; otherwise the text
-column (--text-column, default `text`) means causal LM on packed text (hf_data.py), as does
+column (--text-column, default `text`) means causal LM on packed text (recipes/hf/data.py), as does
 plain text (a file or a folder of them).
 
 Validation: a save_to_disk DatasetDict's own "validation" split, else the last

@@ -2,7 +2,7 @@
 model, all its weights or LoRA adapters (`--lora-r R`), without the network.
 
 The model folder is what `save_pretrained` writes (config.json, weights, tokenizer files); the
-data is local text (hf_data.py). The result is written the same way into output_dir/final: a
+data is local text (recipes/hf/data.py). The result is written the same way into output_dir/final: a
 model folder, or a PEFT adapter folder, that transformers and peft load as they are.
 """
 from __future__ import annotations
@@ -208,11 +208,11 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
     # an uncovered family: one line; text data on a type AutoModelForCausalLM takes: the text path
     vision = vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None
-    if vision:  # what the image path does not take, before any process starts (hf_vision_run.py)
+    if vision:  # what the image path does not take, before any process starts (kinds/vlm/run.py)
         from ...kinds.vlm.run import check_run
 
         check_run(options, training_args)
-    if options.streaming:  # a shard folder's refusals, before any weight is read (hf_stream.py)
+    if options.streaming:  # a shard folder's refusals, before any weight is read (recipes/hf/stream.py)
         from .stream import check_stream
 
         data_kind(options)  # a method that never streams (GRPO) says so first
@@ -226,11 +226,11 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         data_kind(options)  # the data's shape checked once, here, in one line
         return relaunch_current_program(training_args.devices, training_args.num_nodes)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
-    if vision:  # an image-text-to-text model (hf_vision_run.py)
+    if vision:  # an image-text-to-text model (kinds/vlm/run.py)
         from ...kinds.vlm.run import run_vision
 
         return run_vision(options, training_args, accelerator_config, folder)
-    if options.method == "reward":  # a sequence-classification model on pairs (hf_reward.py)
+    if options.method == "reward":  # a sequence-classification model on pairs (methods/reward/recipe.py)
         from ...methods.reward.recipe import run_reward
 
         return run_reward(options, training_args, accelerator_config, folder)
@@ -244,7 +244,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     check_vocabulary(model, tokenizer, folder)
     kind = data_kind(options)
     options = method_options(options, kind)  # beta and loss_type: the method's own defaults
-    dpo = kind == "dpo"  # preference pairs: DPO needs a reference (hf_dpo.py)
+    dpo = kind == "dpo"  # preference pairs: DPO needs a reference (methods/dpo/recipe.py)
     # GRPO needs one only with a KL penalty (beta > 0)
     referenced = dpo or (kind == "grpo" and options.beta > 0)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
@@ -268,7 +268,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
 
         return run_dpo(options, training_args, accelerator_config, folder, model, tokenizer,
                        block_size, ref_model, ref_folder)
-    if options.streaming:  # shards read as a stream, each rank its own (hf_stream.py)
+    if options.streaming:  # shards read as a stream, each rank its own (recipes/hf/stream.py)
         from .stream import stream_data, stream_header
 
         data = stream_data(options, tokenizer, block_size)
@@ -416,13 +416,13 @@ def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | No
     precision plugin casts per op, and the optimizer keeps full-precision weights. `sharded`
     (fsdp or expert parallelism across processes): the model's parameters stay on the meta
     device, and each rank reads its own shards once fsdp has cut them or its experts once they
-    are split (hf_sharded.py); not for a base whose adapters
+    are split (recipes/hf/sharded.py); not for a base whose adapters
     are merged into it, nor for --from-scratch (drawn as before). `task`: the model asked for,
     a causal LM unless said (checkpoint/model_folders.py); a folder of the other task's model
     or adapters is one line; None takes the folder's own (a sequence classifier's adapters load
     onto a sequence classifier of their head's labels, which `merge` keeps).
 
-    An adapter folder (hf_adapters.py) is its base model with its adapters loaded by PEFT:
+    An adapter folder (recipes/hf/adapters.py) is its base model with its adapters loaded by PEFT:
     trainable ones with `trainable` (training continues on them), merged into the weights with
     `merge` (a frozen reference needs no adapters), else frozen; the tokenizer is the folder's
     own when it has one."""

@@ -38,7 +38,7 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32", split: st
     folder = model_folder(options.model, base_model=options.base_model)
     from ...kinds.vlm.recipe import has_images, vision_config
 
-    # image-text-to-text (hf_vision_run.py), but text data on a type AutoModelForCausalLM takes
+    # image-text-to-text (kinds/vlm/run.py), but text data on a type AutoModelForCausalLM takes
     if vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None:
         from ...kinds.vlm.run import evaluate_vision
 

@@ -17,13 +17,13 @@ steps for what makes lazy mode slow on a Gaudi:
   each of which cuts the graph short and stalls the device; named by the user's own line, and by
   the library's when the read is inside one, with the fix where one is known. Reads on a plain
   loop's logging steps only (never two steps in a row) are a note, not a finding, and the graphs
-  of the steps around them are judged by the logging period (doctor_loop.py);
+  of the steps around them are judged by the logging period (rehearsal/doctor/loop.py);
 - fallback: operations that would run eagerly, outside the graph, on Gaudi too. The CPU lazy
   backend's own gaps (cpu_lazy.BACKEND_FALLBACKS) are left out, and the report says so.
 
 The trainer's own reads (logging, evaluation) happen between steps and are not counted. Under
 GRPO the batches are rollouts the model generates: their shapes are described from the prompts
-and prompt_buckets instead of walked (doctor_grpo.py), and the graphs compiled between steps
+and prompt_buckets instead of walked (methods/grpo/doctor.py), and the graphs compiled between steps
 (generation's) are counted too.
 """
 from __future__ import annotations

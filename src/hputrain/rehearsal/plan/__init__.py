@@ -21,13 +21,13 @@ moment of the peak. Its categories become the plan's:
   temporary    everything else alive at the peak: the logits and the loss's log-softmax,
                fsdp's all-gather and reduce-scatter buffers, ddp's gradient buckets, the inputs
   kv_cache     (GRPO only) the generation's key/value cache, held from the first rollout on
-               (plan_grpo.py)
+               (methods/grpo/plan.py)
 
 ddp is traced as one process (each rank holds the whole model) plus its gradient buckets, a
 flat copy of the trainable gradients that DistributedDataParallel allocates in C++ where no
 tracker sees it. Under fsdp_cpu_offload the peak is what stays on the device (the shards, their
 gradients and AdamW's moments live in host memory); with a backend that reduces in a copy (gloo,
-the cpu target's) the copy is counted (plan_tracking.py says why each).
+the cpu target's) the copy is counted (rehearsal/plan/tracking.py says why each).
 
 Accuracy is measured against the same step of a real run of hputrain's Trainer, counted by the
 same trackers on real tensors (StepPeak; bench/plan_accuracy.py, docs/benchmarks.md).
@@ -84,18 +84,18 @@ class StepModel:
     precomputed log-probs)."""
     objective: Callable | None = None
     """The step's loss as the run computes it: `objective(reference, model, sharded, args)`
-    returns a callable (module, batch) -> loss (plan_dpo.py, plan_grpo.py); None: the model's
+    returns a callable (module, batch) -> loss (methods/dpo/plan.py, methods/grpo/plan.py); None: the model's
     own loss (causal LM)."""
     preference: object | None = None
     """DPO's settings (beta, loss_type, label_smoothing, precompute_ref_log_probs) when the step
-    is a DPO step (plan_dpo.py), else None."""
+    is a DPO step (methods/dpo/plan.py), else None."""
     held: Callable | None = None
     """What the method keeps on the device beside the step, all through it, where no tracker
     sees it allocated: `held(model, args, precision)` -> {category: bytes} (GRPO's generation
-    key/value cache, plan_grpo.py); None: nothing."""
+    key/value cache, methods/grpo/plan.py); None: nothing."""
     grpo: dict | None = None
     """GRPO's settings (config.grpo.GRPOOptions' fields) when the step is a GRPO step
-    (plan_grpo.py), else None."""
+    (methods/grpo/plan.py), else None."""
     vision: object | None = None
     """An image-text-to-text model's step: the recipe's settings (a dict), which
     plan_vlm.vlm_step turns into its VisionStep (image blocks, the tower's share); else None."""
@@ -222,7 +222,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
     mode = _fake_mode() if fake else contextlib.nullcontext()
     shapes = grouped_mm_shapes() if fake else contextlib.nullcontext()
     experts = expert_parallel_stand_ins() if expert_parallel else contextlib.nullcontext()
-    images = getattr(step.vision, "tracing", None)  # an image step's (plan_vlm.py)
+    images = getattr(step.vision, "tracing", None)  # an image step's (kinds/vlm/plan.py)
     images = images() if fake and images else contextlib.nullcontext()
     grouped = (sharded or expert_parallel) and ranks > 1
     group_of = _fake_group(ranks) if grouped else contextlib.nullcontext()
@@ -260,7 +260,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
             clip()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        share = getattr(step.vision, "share", None)  # an image-text-to-text step's (plan_vlm.py)
+        share = getattr(step.vision, "share", None)  # an image-text-to-text step's (kinds/vlm/plan.py)
         traced = StepTrace(**dataclasses.asdict(breakdown(counting)), kernels=prepared.kernels,
                            moe=layout, vision=share and share(model, counting, batch, ranks))
     if replicated:  # the gradient buckets: a flat copy of the trainable gradients, throughout
