@@ -37,9 +37,9 @@ class MixtureOfExperts(ModelKind):
         words = f"mixture of experts: {experts} experts, top-{top_k}"
         split = getattr(args, "expert_parallel_size", 1)
         if split > 1:
-            from .experts.sizes import holds_any_routing
+            from .experts.sizes import CAPACITY_FACTOR, holds_any_routing
 
-            factor = args.expert_capacity_factor
+            factor = getattr(args, "expert_capacity_factor", CAPACITY_FACTOR)
             buffers = ("all-to-all buffers for any routing" if holds_any_routing(top_k, experts, split, factor)
                        else f"all-to-all buffers {factor:g}x the average, an overflow runs the forward again")
             words += f", experts split over {split} ranks ({experts // split} a rank, {buffers})"
