@@ -48,10 +48,12 @@ def test_every_method_and_kind_folder_is_registered_once():
 
     from hputrain import registry
     from hputrain.models.kind import registered
+    from hputrain.recipes.hf.methods import Method, registered_methods
 
     methods = sorted(p.name for p in (PACKAGE / "methods").iterdir() if (p / "__init__.py").is_file())
     kinds = sorted(p.name for p in (PACKAGE / "kinds").iterdir() if (p / "__init__.py").is_file())
-    assert sorted(name for name in registry.METHODS if name != "lm") == methods
+    assert sorted(method.name for method in registry.METHODS) == methods
+    assert [type(m) for m in registered_methods()] == [Method] + [type(m) for m in registry.METHODS]
     assert sorted(kind.name for kind in registry.KINDS) == kinds
     assert [type(kind) for kind in registered()] == [type(kind) for kind in registry.KINDS]
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
@@ -80,3 +82,53 @@ def test_the_design_and_every_page_the_docs_name_are_in_the_repository():
                      if ref.startswith("../") or not (ROOT / ref).is_file())
     assert not missing, missing
     assert ("README.md", "docs/design.md") in named
+
+
+def test_a_new_method_is_a_class_the_recipe_asks(monkeypatch, tmp_path):
+    """Issue 48: the Hugging Face recipe names no method. A method it has never seen (a KTO-like
+    one, on rows with a 'label') joins by being registered: its flags become the recipe's options
+    (one it shares with DPO and GRPO defaults to None, its help naming each meaning), its data is
+    routed to it, its flags given with other data are one line, and --method takes its name."""
+    import dataclasses
+    import json
+
+    import pytest
+
+    from hputrain.config.fields import field_docs
+    from hputrain.errors import InputError
+    from hputrain.recipes.hf import methods
+    from hputrain.recipes.hf.options import compose
+
+    @dataclasses.dataclass(kw_only=True)
+    class UnpairedFlags:
+        beta: float = 0.1
+        """How far the policy may move."""
+        desirable_weight: float = 1.0
+        """The weight of the desirable rows' loss."""
+
+    class Unpaired(methods.Method):
+        name, label, data_words, flags = "unpaired", "KTO", "rows labelled good or bad", UnpairedFlags
+
+        def claims(self, columns, options) -> bool:
+            return {"prompt", "completion", "label"} <= set(columns)
+
+    monkeypatch.setattr(methods, "_METHODS", [*methods._METHODS, Unpaired()])
+    options_class = compose(methods._METHODS, methods.shared_names())
+    assert {"beta", "loss_type"} <= methods.shared_names()
+    fields = {f.name: f for f in dataclasses.fields(options_class)}
+    assert fields["desirable_weight"].default == 1.0 and fields["beta"].default is None
+    beta = field_docs(options_class)["beta"]  # each method's meaning, in the registry's order
+    assert beta.startswith("DPO: ") and beta.index("; GRPO: ") < beta.index("; KTO: How far the policy may move (default 0.1)")
+
+    def data(name: str, rows: list[dict]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(path)
+
+    labelled = data("labelled.jsonl", [{"prompt": "q", "completion": "a", "label": True}] * 3)
+    text = data("text.jsonl", [{"text": "plain"}] * 3)
+    assert methods.data_kind(options_class(model="m", dataset=labelled)) == "unpaired"
+    assert methods.data_kind(options_class(model="m", dataset=labelled, method="unpaired")) == "unpaired"
+    with pytest.raises(InputError, match=r"^--desirable-weight is for rows labelled good or bad \(KTO\)"):
+        methods.data_kind(options_class(model="m", dataset=text, desirable_weight=2.0))
+    assert methods.data_kind(options_class(model="m", dataset=text)) == "lm_or_sft"

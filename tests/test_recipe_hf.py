@@ -275,13 +275,11 @@ def test_a_folder_of_record_files_is_read_as_its_rows(tmp_path, tokenizer):
 
 
 def _method_of(path, **flags):
-    """(what hf.data_kind says, the SFT / text method hf_sft.data_method says, or the error line)."""
-    from hputrain.methods.sft import recipe as hf_sft
-
+    """(what hf.data_kind says, the SFT / text method hf_data.data_method says, or the error line)."""
     options = hf.HFOptions(model="m", dataset=str(path), **flags)
     try:
         kind = hf.data_kind(options)
-        return kind, hf_sft.data_method(str(path)) if kind == "lm_or_sft" else None
+        return kind, hf_data.data_method(str(path)) if kind == "lm_or_sft" else None
     except hf_data.InputError as error:  # a file names its line, a folder the column
         return "error", re.sub(r" line \d+ has no '(\w+)' field", r" has no '\1' column",
                                str(error).replace(str(path), "DATA"))

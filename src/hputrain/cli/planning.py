@@ -31,7 +31,7 @@ def planned_step(flags: dict, target: str | None = None):
     where the run packs examples, else the recipe's own; precision "auto" as it means on
     `target` (None: as given)."""
     from ..accelerators.registry import target_runs_bf16
-    from ..recipes import chosen_recipe
+    from ..recipes import chosen_recipe, hf
     from ..rehearsal.plan import StepModel, packed_step
 
     flags = {k: v for k, v in flags.items() if k not in ("target", "json")}  # plan's own
@@ -46,12 +46,11 @@ def planned_step(flags: dict, target: str | None = None):
         from ..kinds.vlm.plan import vlm_step
 
         return vlm_step(step), args
-    method = _method(recipe, options, dataset_given)
-    if method == "dpo":
-        step = _dpo_step(recipe, options, step)
-    elif method == "grpo":
-        step = _grpo_step(recipe, options, step)
-    elif _packs_examples(recipe, options, dataset_given):
+    if recipe is not hf:
+        return step, args
+    method = _method(options, dataset_given)
+    step = method.plan_step(options, step, _reference_build(recipe, options))
+    if method.trains_blocks and _packs_examples(options, dataset_given):
         step = packed_step(step)
     return step, args
 
@@ -59,40 +58,36 @@ def planned_step(flags: dict, target: str | None = None):
 NO_DATASET = "(not given to hputrain plan)"
 
 
-def _method(recipe, options, dataset_given: bool) -> str:
-    """"dpo", "grpo" or "lm" (the recipe's own step), decided as `hputrain train` decides it:
-    from the data's columns (read, not the rows), checked against --method and each method's
-    flags; without --dataset, from --method, or a flag only one method takes (GRPO's
+def _method(options, dataset_given: bool):
+    """The method whose step is planned (recipes/hf/methods.py), decided as `hputrain train`
+    decides it: from the data's columns (read, not the rows), checked against --method and each
+    method's flags; without --dataset, from --method, or a flag only one method takes (GRPO's
     --reward-funcs, --num-generations ...; DPO's --ref-model, --precompute-ref-log-probs ...)."""
-    from ..methods.grpo.config import grpo_flags_given
-    from ..methods.dpo.config import preference_flags_given
     from ..recipes import hf
+    from ..recipes.hf.methods import method_named, registered_methods
 
-    if recipe is not hf:
-        return "lm"
     if dataset_given:
-        kind = hf.data_kind(options)
-        return kind if kind in ("dpo", "grpo") else "lm"
-    grpo_only = [n for n in grpo_flags_given(options) if n not in ("beta", "loss_type")]
-    if options.method == "grpo" or (options.method == "auto" and (options.reward_funcs or grpo_only)):
-        return "grpo"
-    dpo = options.method == "dpo" or bool(options.ref_model or preference_flags_given(options))
-    return "dpo" if dpo else "lm"
+        return method_named(hf.data_kind(options))
+    if options.method != "auto":
+        return method_named(options.method)
+    methods = [m for m in registered_methods() if not m.loads_model]
+    asked = [m for m in methods if m.flags_given(options, m.name)]  # its own flags
+    if not asked and options.ref_model:  # a reference alone: the first method that takes one (DPO)
+        asked = [m for m in methods if m.uses_reference]
+    return asked[0] if asked else method_named("lm")
 
 
-def _packs_examples(recipe, options, dataset_given: bool) -> bool:
+def _packs_examples(options, dataset_given: bool) -> bool:
     """Whether the run packs SFT examples into blocks (their lengths in `seq_lens`), as
     `hputrain train` decides it: packing on (the default), and chat or instruction rows in the
     data (its columns, read); without --dataset, --method sft. Text is cut into blocks as it
     comes: no examples to keep apart."""
-    from ..recipes import hf
+    from ..recipes.hf.data import data_method
 
-    if recipe is not hf or not options.packing:
+    if not options.packing:
         return False
     if not dataset_given:
         return options.method == "sft"
-    from ..methods.sft.recipe import data_method
-
     return data_method(options.dataset, options.text_column) != "text"
 
 
@@ -107,24 +102,6 @@ def _reference_build(recipe, options):
                                       lora_alpha=None, lora_dropout=None, lora_target_modules=None)
     build = StepModel(**recipe.step_model(ref_options)).build
     return lambda: build(False)
-
-
-def _dpo_step(recipe, options, step):
-    """The DPO step of the run (methods/dpo/plan.py)."""
-    from ..methods.dpo.plan import dpo_step
-
-    reference = None if options.precompute_ref_log_probs else _reference_build(recipe, options)
-    options = recipe.method_options(options, "dpo")  # DPO's beta and loss_type where not given
-    return dpo_step(step, options, reference)
-
-
-def _grpo_step(recipe, options, step):
-    """The GRPO step of the run (methods/grpo/plan.py): the reference only with beta > 0."""
-    from ..methods.grpo.plan import grpo_step
-
-    options = recipe.method_options(options, "grpo")  # GRPO's beta and loss_type where not given
-    reference = _reference_build(recipe, options) if options.beta > 0 else None
-    return grpo_step(step, options, reference)
 
 
 PLAN_SECONDS = 15.0

@@ -13,11 +13,10 @@ import os
 from ..config.accelerator_config import AcceleratorConfig
 from ..config.arguments import TrainingArguments
 from ..config.flags import add_dataclass_flags
-from ..methods.grpo.config import GRPOOptions
-from ..methods.dpo.config import PreferenceOptions
 from ..config.sections import help_groups
 from ..errors import InputError
 from ..recipes import HFOptions, RecipeOptions, chosen_recipe
+from ..recipes.hf.methods import registered_methods, shared_names
 
 
 def add_train_parser(sub) -> None:
@@ -37,10 +36,9 @@ def add_train_flags(p) -> None:
                    dest="accelerator_config", help="a GaudiConfig JSON file")
     p.add_argument("--cpu", action="store_true", help="force the CPU")
     add_dataclass_flags(p, RecipeOptions, "the built-in GPT recipe (without --model)")
-    own = set(HFOptions.__annotations__)  # beta and loss_type: both methods', said in their help
-    methods = tuple((title, frozenset(f.name for f in dataclasses.fields(options)) - own)
-                    for title, options in (("GRPO: prompts rewarded by --reward-funcs", GRPOOptions),
-                                           ("DPO: preference pairs", PreferenceOptions)))
+    shared = shared_names()  # beta and loss_type: several methods', said in the recipe's group
+    methods = tuple((m.help_title, frozenset(f.name for f in dataclasses.fields(m.flags)) - shared)
+                    for m in registered_methods() if m.help_title and m.flags is not None)
     add_dataclass_flags(p, HFOptions, (("the Hugging Face recipe (--model DIR --dataset PATH)", None),
                                        *methods))
     add_dataclass_flags(p, TrainingArguments,

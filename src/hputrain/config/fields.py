@@ -155,11 +155,13 @@ def checked_values(cls, data: dict, where: str, ignore=()) -> dict:
 @functools.cache
 def field_docs(cls) -> dict[str, str]:
     """The docstring written under each field of a dataclass (read from its source, and from its
-    dataclass bases' for the fields it inherits)."""
+    dataclass bases' for the fields it inherits; a class made by make_dataclass, which has no
+    source, names its own in `__field_docs__`)."""
     docs = {}
     for base in reversed(cls.__mro__[1:]):
         if dataclasses.is_dataclass(base):
             docs.update(field_docs(base))
+    docs.update(cls.__dict__.get("__field_docs__", {}))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

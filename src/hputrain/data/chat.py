@@ -221,3 +221,12 @@ def render_ids(tokenizer, messages: list[dict], where: str, *, generation_prompt
         raise InputError(f"{where}: the chat template cannot render it: {exc}") from None
     return list(ids)
 
+
+def chat_template(tokenizer, fmt: str) -> ChatTemplate:
+    """The tokenizer's chat template, which `fmt` rows (an SFT row shape) need; one line without one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InputError(f"the tokenizer of --model {getattr(tokenizer, 'name_or_path', '')} has no "
+                         f"chat template, which {fmt} rows need: pass --chat-template FILE (a Jinja "
+                         "chat template)")
+    return ChatTemplate(tokenizer)

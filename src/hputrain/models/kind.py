@@ -5,7 +5,8 @@ A kind subclasses `ModelKind` and overrides the hooks it needs; every hook of th
 nothing, so a dense decoder (no kind matches it) goes through the same calls. hputrain/registry.py
 registers each kind once (`register`); the core asks `kinds_of(config)` for those that match a
 model (a mixture of experts with images matches both) and `registered()` for every one (the
-strategy's layout, which is chosen before any model is).
+strategy's layout, which is chosen before any model is; the plan's and the doctor's hooks, which
+they ask whatever the model).
 """
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ class ModelKind:
         language model and the vision tower"); None: nothing to say."""
         return None
 
+    def recipe(self):
+        """The kind's own recipe of `hputrain train / evaluate / export / plan --model`, for the
+        folders it trains its own way (an image-text-to-text model: its processor, image rows),
+        or None: the causal LM's recipe takes its models. The object answers `takes(folder,
+        base_model, dataset)`, `merges(folder, base_model)`, `plans(config)` and
+        `refusal(config)`, and does `check_run`, `run`, `evaluate`, `merged` and `step_model`
+        (kinds/vlm/run.py's ImageTextRecipe)."""
+        return None
+
     def packing_keys(self) -> frozenset[str]:
         """Keys of a packed batch the model never takes but the loop keeps (an image count)."""
         return frozenset()
@@ -68,6 +78,38 @@ class ModelKind:
         """The strategy with this kind's parallel layout around it (expert parallelism), or the
         strategy as it is."""
         return strategy
+
+    # -- what `hputrain plan` and `hputrain doctor` ask (rehearsal/); asked of every registered kind
+
+    def plan_layout(self, model, args):
+        """The plan's account of this kind's part of `model` (whole, on the meta device, before
+        any split) in a run of `args`, or None: an object with `as_json()` (the plan's "moe"
+        entry), `describe()` (its header line) and `with_tokens(n)` (the same for micro-batches
+        of n tokens a rank)."""
+        return None
+
+    def plan_tracing(self, args, fake: bool) -> list[contextlib.AbstractContextManager]:
+        """What the plan's trace of a step runs inside, whatever the model: stand-ins for what
+        cannot run on fake tensors (`fake`) or in one process."""
+        return []
+
+    def counted_apart(self, model) -> list:
+        """The modules of `model` whose allocations while they run the plan counts in a category
+        of their own, out of the activations and temporaries (plan/tracking.py)."""
+        return []
+
+    def doctor_watch(self, reads):
+        """A watch the doctor enters around the user's script (`reads`: its HostReads), or None.
+        Its `seen()` lists what ran inside this kind's modules, each item with `reads` (site ->
+        count), `fallbacks` (op -> count), `routing_dependent` (its shapes change from step to
+        step), `read_fix` (the fix for a read inside it) and `as_dict()`; findings.diagnose
+        takes them."""
+        return None
+
+    def doctor_findings(self, records: list[dict], warmup: int, seen: list) -> list[dict]:
+        """The doctor's findings on what the watches saw (`seen`: the items, of every kind's
+        watch, whose shapes change from step to step) in the steps `records`."""
+        return []
 
 
 _KINDS: list[ModelKind] = []

@@ -14,13 +14,22 @@ from ..config.defaults import load_defaults, training_defaults
 from ..config.fields import ConfigError, checked_values, read_mapping
 from . import gpt, hf
 from .gpt import RECIPE_DEFAULTS, RecipeOptions
-from .hf import HFOptions
 
 __all__ = ["RECIPE_DEFAULTS", "HFOptions", "RecipeOptions", "chosen_recipe", "merge_settings",
            "resolve_settings"]
 
-OPTIONS = {gpt: RecipeOptions, hf: HFOptions}
 NOT_SETTINGS = ("config", "accelerator_config", "cpu", "func", "command")  # the parser's own
+
+
+def __getattr__(name: str):
+    if name == "HFOptions":  # made once the methods are registered (recipes/hf/methods.py)
+        return hf.options_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def options_of(recipe) -> type:
+    """The options dataclass of the recipe module `recipe`."""
+    return hf.options_class() if recipe is hf else RecipeOptions
 
 
 def chosen_recipe(flags: dict):
@@ -39,7 +48,7 @@ def resolve_settings(flags: dict) -> tuple[RecipeOptions, TrainingArguments]:
 
 def merge_settings(recipe, flags: dict, file_values: dict):
     """(the recipe's options, TrainingArguments): its defaults < saved < the file < flags typed."""
-    options_class = OPTIONS[recipe]
+    options_class = options_of(recipe)
     own = {f.name for f in dataclasses.fields(options_class)}
     where = f"config file {flags.get('config')}"
     typed = {k: v for k, v in flags.items() if k not in NOT_SETTINGS}
@@ -61,9 +70,10 @@ def merge_settings(recipe, flags: dict, file_values: dict):
 def _refuse_the_other_recipes(recipe, typed: dict, file_values: dict, where: str) -> None:
     """One line for an option of the recipe not chosen (--lora-r without --model, --model-size
     with it), which would otherwise be dropped without a word."""
-    for other, options_class in OPTIONS.items():
+    for other in (gpt, hf):
         if other is recipe:
             continue
+        options_class = options_of(other)
         names = {f.name for f in dataclasses.fields(options_class)}
         for name in typed:
             if name in names:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..accelerators.cpu_lazy import BACKEND_FALLBACKS, HostReads
-from ..kinds.moe.doctor import EXPERTS_READ, ExpertsSeen, routing_finding
+from ..models.kind import registered
 from .shapes import MAX_SHAPES, ShapeCensus, shape_text
 
 _PACKAGE = str(Path(__file__).parents[1])  # hputrain itself: its frames are not the user's
@@ -145,18 +145,20 @@ class Rehearsal:
 # -- the report ----------------------------------------------------------------------------------------
 
 def diagnose(records: list[dict], warmup: int, reads: HostReads, run: RunShapes | None = None,
-             experts: list[ExpertsSeen] = ()) -> dict:
+             experts: list = ()) -> dict:
     """The report: per-step figures, the shapes of the whole run (`run`, when its batches were
     walked), findings (each naming the problem and the fix) and notes (what was seen and is fine,
-    and what was left out). `experts`: what ran inside MoE experts modules (kinds/moe/doctor.py);
-    experts whose shapes follow the routing are one finding, which explains the recompilations,
-    and their reads and eager ops are left to it."""
+    and what was left out). `experts`: what the model kinds' watches saw run inside their modules
+    (ModelKind.doctor_watch: MoE experts, kinds/moe/doctor.py); those whose shapes follow the
+    routing are their kind's finding (ModelKind.doctor_findings), which explains the
+    recompilations, and their reads (each with its own fix) and eager ops are left to it."""
     shapes = _shape_history(records, warmup)
     census = run.census if run is not None else None
     fallback_ops, backend_gaps = _fallback_ops(records)
     routed = [e for e in experts if e.routing_dependent]
-    in_experts = {site for e in routed for site in e.reads}
-    findings = [*routing_finding(records, warmup, routed),
+    in_experts = {site: e.read_fix for e in routed for site in e.reads}
+    of_kinds = [found for kind in registered() for found in kind.doctor_findings(records, warmup, routed)]
+    findings = [*of_kinds,
                 *_recompilation(records, warmup, shapes, judge_growth=census is None, explained=bool(routed)),
                 *_unbounded_shapes(run, shapes), *_host_syncs(records, reads, run, in_experts),
                 *_fallbacks(_outside(fallback_ops, routed), _fallback_sites(records))]
@@ -394,13 +396,13 @@ def _logging_reads(records: list[dict], reads: HostReads) -> list[str]:
 
 
 def _host_syncs(records: list[dict], reads: HostReads, run: RunShapes | None = None,
-                in_experts: set = frozenset()) -> list[dict]:
+                in_experts: Mapping | None = None) -> list[dict]:
     per_step = [r["host_syncs"] for r in records]
     if not any(per_step) or _on_logging_steps(records):
         return []
     by_fix: dict[str, list[str]] = {}
     for site, n in sorted(reads.where.items(), key=lambda item: str(item[0])):
-        fix = EXPERTS_READ if site in in_experts else _known_fix(site, records, run)
+        fix = in_experts[site] if site in (in_experts or {}) else _known_fix(site, records, run)
         by_fix.setdefault(fix, []).append(f"{_describe(site)} ({n}x)")
     parts = [f"{', '.join(places)}: {fix}" for fix, places in by_fix.items()]
     return [{"kind": "host_sync", "message": (
@@ -457,7 +459,7 @@ def _fallback_ops(records: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
     return {op: n for op, n in sorted(ops.items()) if op not in gaps}, gaps
 
 
-def _outside(fallback_ops: dict[str, int], experts: list[ExpertsSeen]) -> dict[str, int]:
+def _outside(fallback_ops: dict[str, int], experts: list) -> dict[str, int]:
     """The eager ops less those that ran inside the experts' forward (their finding's)."""
     left = dict(fallback_ops)
     for seen in experts:

@@ -521,6 +521,11 @@ class Trainer(CallbackHost):
                                notify=notice if self.group.is_main else None)
         return self.objective.train_batches(batches)  # GRPO: rollouts made from these prompts
 
+    def described_batches(self, batches, steps: int, walked: str):
+        """The doctor's RunShapes of `steps` steps of `batches` (train_batches'), told without taking
+        them where taking them runs the model (GRPOTrainer's rollouts); None: the doctor walks them."""
+        return None
+
     def _loading(self) -> LoaderOptions:
         """How batches are loaded: worker processes, pinned memory (only where the device copies
         from it asynchronously), batches prepared ahead."""

@@ -92,3 +92,31 @@ class MixtureOfExperts(ModelKind):
 
         return ExpertParallel(strategy, group, settings.expert_parallel_size, settings.seed,
                               settings.expert_capacity_factor)
+
+    def plan_layout(self, model, args):
+        from .plan import moe_layout
+
+        return moe_layout(model, args, tokens=0)
+
+    def plan_tracing(self, args, fake: bool) -> list:
+        from .plan import expert_parallel_stand_ins, grouped_mm_shapes
+
+        tracing = [grouped_mm_shapes()] if fake else []  # torch's meta kernel takes bf16 only
+        if int(getattr(args, "expert_parallel_size", 1) or 1) > 1:  # the split on the fake group
+            tracing.append(expert_parallel_stand_ins())
+        return tracing
+
+    def counted_apart(self, model) -> list:
+        from .plan import experts_modules
+
+        return experts_modules(model)
+
+    def doctor_watch(self, reads):
+        from .doctor import ExpertsWatch
+
+        return ExpertsWatch(reads)
+
+    def doctor_findings(self, records: list[dict], warmup: int, seen: list) -> list[dict]:
+        from .doctor import ExpertsSeen, routing_finding
+
+        return routing_finding(records, warmup, [s for s in seen if isinstance(s, ExpertsSeen)])

@@ -52,6 +52,8 @@ class ExpertsSeen:
     """aten op -> times it ran eagerly inside the experts' forward (the backend's own gaps left out)."""
     reads: dict = dataclasses.field(default_factory=dict)
     """SyncSite -> values read back to the host inside the experts' forward."""
+    read_fix = EXPERTS_READ
+    """The fix findings.diagnose gives a read inside the experts of shapes that follow the routing."""
 
     @property
     def routing_dependent(self) -> bool:

@@ -24,6 +24,7 @@ allocates, of any dtype, for the time of the trace.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,11 @@ class MoELayout:
     """Of the experts' products: the compute dtype (bf16 under bf16-mixed's autocast)."""
     capacity_factor: float = 1.25
     """The all-to-all's rows per peer over the average (expert_capacity_factor)."""
+
+    def with_tokens(self, tokens: int) -> MoELayout:
+        """This layout for micro-batches of `tokens` tokens a rank (the plan's, once its batch is
+        made)."""
+        return dataclasses.replace(self, tokens=tokens)
 
     @property
     def active_parameters(self) -> int:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from .trainer import PreferenceObjective
+from .config import DPOConfig, preference_values
+from .trainer import DPOTrainer, PreferenceObjective
 from ...rehearsal.plan import StepModel, call_model
 
 
@@ -65,7 +66,28 @@ def dpo_step(base: StepModel, preference, reference_model: Callable[[], torch.nn
                       else "reference: the adapter-disabled base" if base.lora
                       else "reference: a frozen copy of the starting weights")
     return dataclasses.replace(base, batch=batch, reference=reference, objective=objective,
-                               preference=preference,
+                               preference=preference, trainer=_measured_trainer,
                                name=f"{base.name}, DPO on pairs ({reference_name})")
+
+
+def _measured_trainer(step: StepModel, args, model, copies: int, peak) -> DPOTrainer:
+    """The DPOTrainer a DPO step is measured with (rehearsal/plan/measure.py, StepModel.trainer):
+    the pairs fill the block (a prompt of half the block, completions of the other half), as the
+    plan assumes; the reference is what the run would have: a frozen model built as the plan
+    builds it, the adapter-disabled policy under LoRA, or log-probs precomputed (by a frozen
+    copy, freed before training) under precompute_ref_log_probs."""
+    size, settings = args.per_device_train_batch_size, step.preference
+    batch = step.batch(size)
+    ids, width = batch["input_ids"].tolist(), batch["input_ids"].shape[1]
+    half = width // 2
+    pairs = [{"prompt_ids": ids[i][:half], "chosen_ids": ids[i][half:],
+              "rejected_ids": ids[size + i][half:]} for i in range(size)] * copies
+    if settings.precompute_ref_log_probs:  # a frozen copy computes them, then is freed
+        reference = None if step.lora else step.build(False)
+    else:
+        reference = step.reference(step.lora) if step.reference else None
+    config = DPOConfig(**dataclasses.asdict(args), **preference_values(settings),
+                       max_length=width, ref_key="plan-measure")
+    return DPOTrainer(model, config, ref_model=reference, train_dataset=pairs, callbacks=[peak])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from .data import PAIR_KEYS, EncodedPairs, PairStats, encode_part, pair_shape
 from ...data.token_store import Ragged
 from ...errors import InputError
 from ...recipes.hf import data as hf_data
-from ...recipes.hf.common import held_out, model_line
+from ...recipes.hf.common import choose_block_size, held_out, model_line
 
 CACHE_VERSION = 1
 
@@ -212,3 +213,36 @@ def pairs_header(trainer, model, options, method: str, loss: str, pairs: str) ->
     return (f"{model_line(trainer, model, options)}\nhputrain: method: {method}\n"
             f"hputrain: {loss}\nhputrain: {pairs}\n"
             + hf_data.splits_line(options.dataset, options.validation_split_percentage > 0))
+
+
+# -- hputrain evaluate on pairs -------------------------------------------------------------------
+
+def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32",
+                   split: str = "train") -> dict:
+    """DPO's numbers of the model `options.model` against the reference `options.ref_model` on
+    every pair of `options.dataset`: eval_loss (the mean over pairs), eval_rewards/* and
+    eval_logps/* with TRL's names (methods/dpo/trainer.py), eval_pairs, and the pairs cut to the block
+    size (examples_cut) or left out (their prompt fills it)."""
+    from .trainer import DPOTrainer
+    from ...recipes.hf import load_model, model_folder
+    from ...data.chat import use_chat_template
+
+    if not options.ref_model:
+        raise InputError(f"--dataset {options.dataset} holds preference pairs: evaluating them "
+                         "needs --ref-model DIR, the reference the rewards are measured against")
+    base = options.base_model
+    model, tokenizer = load_model(model_folder(options.model, base_model=base), base_model=base)
+    reference = load_model(model_folder(options.ref_model, flag="--ref-model", base_model=base),
+                           base_model=base, flag="--ref-model", merge=True)[0]
+    use_chat_template(tokenizer, options.chat_template)
+    block_size = choose_block_size(options.block_size, model.config, tokenizer)
+    options.validation_split_percentage = 0  # every pair is evaluated
+    pairs, _, stats = load_pairs(options, tokenizer, block_size, split=split)
+    with tempfile.TemporaryDirectory(prefix="hputrain-evaluate-") as scratch:
+        args = DPOConfig(output_dir=scratch, per_device_eval_batch_size=batch_size,
+                         precision=precision, report_to="none", disable_tqdm=True,
+                         max_length=block_size, **preference_values(options))
+        trainer = DPOTrainer(model, args, ref_model=reference, processing_class=tokenizer)
+        metrics = trainer.evaluate(pairs)
+    return {**metrics, "eval_pairs": len(pairs), "left_out": stats.prompt_fills_block,
+            "examples_cut": stats.truncated, "method": "dpo", "block_size": block_size}

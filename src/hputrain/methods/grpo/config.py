@@ -225,6 +225,16 @@ def generation_layout(options, per_device_train_batch_size: int, gradient_accumu
     return size, steps
 
 
+@dataclass(kw_only=True)
+class GRPOFlags(GRPOOptions):
+    """GRPO's flags of `hputrain train --model`: its settings, and the rewards."""
+
+    reward_funcs: list[str] | None = None
+    """The rewards, each FILE.py:NAME (a function f(prompts, completions, completion_ids,
+    **columns) -> list of floats or None, TRL's signature) or a reward-model folder; a data set of
+    prompts with --reward-funcs trains with GRPO."""
+
+
 def grpo_values(options) -> dict:
     """The GRPOOptions fields of `options` (any dataclass that has them)."""
     return values_of(GRPOOptions, options)

@@ -1,5 +1,5 @@
 """`hputrain doctor` on a GRPO run: its batch shapes counted from the rollouts' layout, without
-generating.
+generating (GRPOTrainer.described_batches, which the doctor asks of the trainer it watches).
 
 Under GRPO the loop's batch source is the rollouts (methods/grpo/rollout.py): each generation batch
 is made by the model itself, so walking the run's batches ahead as doctor.py walks a data set's
@@ -17,8 +17,6 @@ generation graph, before the step's training graph.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from .config import PROMPT_BUCKETS
@@ -31,14 +29,6 @@ ROLLOUT_READ = ("GRPO reads each rollout's completions back to the host once (to
                 "the reward functions score): it ends the generation graph, when the loop takes the "
                 "next generation batch, before the step's training graph; so it is between steps, by "
                 "design, and not counted as a step's host sync")
-
-
-def keep_completions_in(trainer, output_dir: str) -> None:
-    """GRPO's completions.jsonl into the rehearsal's folder: its path was fixed when the trainer
-    was made (the objective's bind), before the doctor moved the run's output_dir."""
-    log = getattr(trainer.objective, "log", None)
-    if log is not None and hasattr(log, "path"):
-        log.path = Path(output_dir) / "completions.jsonl"
 
 
 def is_rollouts(batches) -> bool:

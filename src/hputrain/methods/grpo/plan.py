@@ -36,7 +36,7 @@ import torch
 from .config import GRPOConfig, generation_layout, grpo_values
 from ...data.batching import base_model
 from ...execution.generation import KeyValueBuffers
-from .trainer import GRPOObjective
+from .trainer import GRPOObjective, GRPOTrainer
 from .rollout import Layout
 from ...rehearsal.plan import StepModel, call_model
 
@@ -95,6 +95,7 @@ def grpo_step(base: StepModel, options, reference_model: Callable[[], torch.nn.M
                       else "reference: a frozen copy of the starting weights")
     return dataclasses.replace(
         base, batch=batch, reference=reference, objective=objective, held=held, grpo=settings,
+        trainer=_measured_trainer,
         name=f"{base.name.partition(', blocks of ')[0]}, GRPO on prompts of up to {bucket} tokens with {completion}-token "
              f"completions ({reference_name})")
 
@@ -142,3 +143,46 @@ def _objective(settings: dict, args) -> GRPOObjective:
     objective.layout = _layout(settings, args)
     objective.loop = types.SimpleNamespace(call_model=call_model)
     return objective
+
+
+def _measured_trainer(step: StepModel, args, model, copies: int, peak) -> GRPOTrainer:
+    """The GRPOTrainer a GRPO step is measured with (rehearsal/plan/measure.py, StepModel.trainer;
+    `copies` unused: its prompts are counted here): the prompts fill the largest bucket and the
+    completions are fixed ones of max_completion_length tokens with no end (GRPOTrainer's
+    `complete` hook: no generation, so no key/value cache, which the plan holds beside the step by
+    its size); the rollout runs before the step StepPeak counts, as in the run, and the reference
+    (beta > 0) is held as the plan holds it."""
+    config = grpo_config(step.grpo, args)
+    bucket, length = max(config.prompt_buckets), config.max_completion_length
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ranks = args.devices * args.num_nodes
+    prompts = 4 * ranks * config.per_device_train_batch_size * config.gradient_accumulation_steps
+
+    def complete(generation: int, prompt_ids: list[list[int]]) -> list[list[int]]:
+        return [[1 + (7 * row + t) % (vocab - 1) for t in range(length)]  # never 0, the end
+                for row in range(len(prompt_ids))]
+
+    def alternate(prompts, completions, completion_ids, **columns):  # advantages not all 0
+        return [float(i % 2) for i in range(len(prompts))]
+
+    reference = step.reference(step.lora) if step.reference else None
+    return GRPOTrainer(model, config, reward_funcs=[alternate],
+                       train_dataset=[{"prompt": str(i)} for i in range(prompts)],
+                       processing_class=_BucketTokenizer(bucket), ref_model=reference,
+                       complete=complete, callbacks=[peak])
+
+
+class _BucketTokenizer:
+    """Every prompt as `bucket` tokens (the largest bucket, full, as the plan assumes), 0 the
+    end and padding token."""
+
+    eos_token_id = pad_token_id = 0
+
+    def __init__(self, bucket: int) -> None:
+        self.bucket = bucket
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [1 + (int(text) + t) % 97 for t in range(self.bucket)]}
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [" ".join(map(str, row)) for row in ids]

@@ -182,7 +182,8 @@ class GRPOObjective(Objective):
                                          eos_token_ids=self.eos_ids, pad_token_id=pad,
                                          buckets=tuple(cfg.prompt_buckets),
                                          graphs=cfg.use_graphs_for_inference)
-        self.log = (CompletionsLog(f"{cfg.output_dir}/completions.jsonl") if group.is_main else None)
+        # the run's output_dir (loop.args'), which the doctor moves to its own folder (for_rehearsal)
+        self.log = (CompletionsLog(f"{loop.args.output_dir}/completions.jsonl") if group.is_main else None)
 
     def count_tokens(self, model):
         return RolloutCount()
@@ -579,3 +580,8 @@ class GRPOTrainer(Trainer):
                          processing_class=processing_class, objective=objective, **kwargs)
         if eval_dataset is not None:  # the batch sizes, checked before training starts
             objective.eval_plan(1)
+
+    def described_batches(self, batches, steps: int, walked: str):
+        from .doctor import is_rollouts, walk_rollouts  # the doctor's part, imported when it runs
+
+        return walk_rollouts(self, batches, steps, walked) if is_rollouts(batches) else None

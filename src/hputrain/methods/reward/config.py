@@ -15,12 +15,18 @@ sets them."""
 
 
 @dataclass(kw_only=True)
-class RewardOptions:
-    """The reward-model settings, checked by `check_reward`."""
+class RewardFlags:
+    """The reward-model settings `hputrain train --model --method reward` takes as flags."""
 
     center_rewards_coefficient: float | None = None
     """Add this times the squared sum of each pair's two rewards to the loss, which keeps the
     rewards centred on 0 (0.01 in the paper that proposed it); unset adds nothing."""
+
+
+@dataclass(kw_only=True)
+class RewardOptions(RewardFlags):
+    """The reward-model settings, checked by `check_reward`."""
+
     disable_dropout: bool = True
     """Switch dropout off in the model, so that both sequences of a pair are scored alike."""
 

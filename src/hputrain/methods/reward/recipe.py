@@ -75,10 +75,9 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
 def check_reward_data(options, folder: Path) -> str:
     """The data's shape (a SHAPES key), refusing in one line what --method reward does not take:
     data that is not preference pairs, DPO's own flags, a causal LM's adapters as --model."""
-    from ..grpo.config import grpo_flags_given
-    from ..dpo.config import preference_flags_given
+    from .config import RewardOptions
     from ..dpo.data import pair_shape
-    from ...recipes.hf.methods import check_not_empty, is_preference
+    from ...recipes.hf.methods import check_not_empty, is_preference, registered_methods, shared_names
 
     columns = hf_data.columns_of(options.dataset)
     check_not_empty(options.dataset, columns)
@@ -87,11 +86,10 @@ def check_reward_data(options, folder: Path) -> str:
         raise InputError(f"--method reward needs preference rows ('chosen' and 'rejected', and "
                          f"optionally 'prompt' and 'margin'); --dataset {options.dataset} has: "
                          f"{', '.join(map(str, columns)) or 'no columns (plain text)'}")
-    shared = ("beta", "loss_type")  # both DPO's and GRPO's: None unless given
-    given = [name for name in shared if getattr(options, name, None) is not None]
-    given += [name for name in preference_flags_given(options) + grpo_flags_given(options)
-              if name not in (*shared, "disable_dropout")]  # a reward model's default too
-    given += [name for name in ("ref_model", "reward_funcs") if getattr(options, name, None)]
+    given = [name for name in sorted(shared_names()) if getattr(options, name, None) is not None]
+    own = {f.name for f in dataclasses.fields(RewardOptions)}  # disable_dropout: a reward model's too
+    given += [name for method in registered_methods() if method.name != "reward"
+              for name in method.flags_given(options, "reward") if name not in own]
     if given:
         raise InputError(f"--{given[0].replace('_', '-')} is for DPO or GRPO; --method reward "
                          "trains a reward model (its own flag: --center-rewards-coefficient)")

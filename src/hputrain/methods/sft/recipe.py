@@ -27,35 +27,13 @@ import numpy as np
 
 from ...data import packing, token_store
 from ...data import sft
-from ...data.chat import ChatTemplate
+from ...data.chat import chat_template
 from ...data.token_store import Ragged
 from ...recipes.hf.common import counted, split_sizes
 from ...errors import InputError
 from ...recipes.hf import data as hf_data
 
 CACHE_VERSION = 2  # 2: a folder of memory-mapped .npy files, no longer one .npz
-METHODS = {"text": "causal LM on packed text",
-           "messages": "SFT on conversations ('messages')",
-           "conversations": "SFT on ShareGPT conversations ('conversations')",
-           "prompt_completion": "SFT on prompt-completion pairs ('prompt', 'completion')"}
-"""What the run header calls each method."""
-
-
-def data_method(path: str, text_column: str = "text") -> str:
-    """"text", or the SFT row shape (sft.FORMATS) of the data set at `path`, from its columns."""
-    columns = hf_data.columns_of(path)
-    if columns is None:
-        return "text"
-    try:
-        return sft.detect_format(columns)
-    except InputError:
-        if text_column in columns:
-            return "text"
-        where = f"{path} has no {text_column!r} column" if Path(path).is_dir() else \
-            f"{path} line 1 has no {text_column!r} field"
-        raise InputError(f"--dataset {where} (it has: {', '.join(map(str, columns)) or 'nothing'}): "
-                         "name the text field with --text-column, or give chat rows in 'messages' "
-                         "or 'conversations', or 'prompt' and 'completion'") from None
 
 
 @dataclass
@@ -197,15 +175,6 @@ def _encode_part(context, rows: list) -> tuple:
     return (Ragged.of([e["input_ids"] for e in kept]), Ragged.of([e["labels"] for e in kept]),
             np.asarray([packing.first_learned(e["labels"]) for e in kept], dtype=np.int32),
             len(rows), skipped)
-
-
-def chat_template(tokenizer, fmt: str) -> ChatTemplate:
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise InputError(f"the tokenizer of --model {getattr(tokenizer, 'name_or_path', '')} has no "
-                         f"chat template, which {fmt} rows need: pass --chat-template FILE (a Jinja "
-                         "chat template)")
-    return ChatTemplate(tokenizer)
 
 
 # -- the cache -------------------------------------------------------------------------------------

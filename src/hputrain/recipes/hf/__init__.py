@@ -2,8 +2,10 @@
 model, all its weights or LoRA adapters (`--lora-r R`), without the network.
 
 The model folder is what `save_pretrained` writes (config.json, weights, tokenizer files); the
-data is local text (recipes/hf/data.py). The result is written the same way into output_dir/final: a
-model folder, or a PEFT adapter folder, that transformers and peft load as they are.
+data is local text (recipes/hf/data.py). The method its columns ask for (recipes/hf/methods.py)
+trains it, or the model's kind its own way (an image-text-to-text model: models/kind.py's
+`recipe`). The result is written the same way into output_dir/final: a model folder, or a PEFT
+adapter folder, that transformers and peft load as they are.
 """
 from __future__ import annotations
 
@@ -12,13 +14,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ...config.fields import ConfigError, check_choice
-from ...methods.grpo.config import GRPO_DEFAULTS, GRPOOptions
-from ...methods.reward.config import REWARD_DEFAULTS
-from ...methods.dpo.config import DPO_DEFAULTS, PreferenceOptions
+from ...config.fields import ConfigError  # noqa: F401  (a bad option's error, imported from here too)
 from ...errors import InputError, did_you_mean
 from ...errors import first_line as _first_line
-from ...kinds.vlm.family import describe as describe_vision, is_image_text_to_text
 from ...checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
                                          check_weight_files, folder_task, head_labels,
                                          is_adapter_folder, load_classifier, tokenizer_folder)
@@ -27,140 +25,19 @@ from .adapters import (continued_rank, is_linear, moe_experts, tokenizer_source,
 from .common import choose_block_size  # noqa: F401  (imported from here too)
 from .common import model_line
 # imported from here too
-from .methods import data_kind, is_preference, is_prompts, method_options  # noqa: F401
+from .methods import data_kind, is_preference, is_prompts, method_named, options_class  # noqa: F401
 
-METHOD_NAMES = ("auto", "lm", "sft", "dpo", "grpo", "reward")
-"""--method's values."""
 MISPLACED = "needs --model DIR (a Hugging Face model folder to fine-tune)"
 """What is said of one of these options given without --model (to the built-in GPT recipe)."""
 
 
-@dataclasses.dataclass(kw_only=True)
-class HFOptions(GRPOOptions, PreferenceOptions):
-    """The Hugging Face recipe's own settings, beside TrainingArguments (and DPO's and GRPO's,
-    inherited: `beta` and `loss_type` are both methods' names, resolved by `method_options`)."""
-
-    beta: float | None = None
-    """DPO: how far the policy may move from the reference (default 0.1); GRPO: the weight of
-    the KL penalty to the reference (default 0.0: no reference)."""
-    loss_type: str | None = None
-    """DPO: sigmoid (default), ipo, hinge, robust; GRPO: dapo (default), grpo, bnpo, dr_grpo."""
-    reward_funcs: list[str] | None = None
-    """GRPO: the rewards, each FILE.py:NAME (a function f(prompts, completions, completion_ids,
-    **columns) -> list of floats or None, TRL's signature) or a reward-model folder; a data set of
-    prompts with --reward-funcs trains with GRPO."""
-
-    model: str | None = None
-    """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune, or a
-    PEFT adapter folder (a LoRA run's final/), whose adapters training continues on."""
-    base_model: str | None = None
-    """The base model folder of an adapter folder given as --model or --ref-model; unset means
-    the one its adapter_config.json names (base_model_name_or_path)."""
-    dataset: str | None = None
-    """Local data: a UTF-8 file, a folder of them, a JSON Lines or Parquet file or a folder of them
-    (its validation/ subfolder evaluated on), or a save_to_disk folder, with a text column (causal
-    LM), chat / instruction columns (SFT: messages, conversations, prompt + completion), prompt +
-    chosen + rejected (DPO) or prompts (GRPO, with --reward-funcs)."""
-    method: str = "auto"
-    """What to train: auto (from the data's columns), lm (causal LM on text), sft (chat and
-    instruction rows), dpo (preference pairs: prompt, chosen, rejected), grpo (prompts, rewarded
-    by --reward-funcs) or reward (a reward model, on preference pairs)."""
-    ref_model: str | None = None
-    """DPO: a local model folder (or adapter folder) as the reference; unset means the adapter-disabled base under
-    LoRA, else a frozen copy of the starting weights."""
-    from_scratch: bool = False
-    """Start from random weights of the folder's architecture instead of its trained weights."""
-    text_column: str = "text"
-    """The field (JSON Lines) or column (save_to_disk) holding the text."""
-    packing: bool = True
-    """SFT data (messages, conversations, prompt + completion): pack whole examples into blocks of
-    block_size tokens, attention kept inside each example; --no-packing pads one example a row
-    to a few lengths instead."""
-    assistant_only_loss: bool = True
-    """SFT on conversations: learn the assistant turns only (each with its end of turn); false
-    learns every token."""
-    completion_only_loss: bool = True
-    """SFT on prompt + completion: learn the completion only; false learns the prompt too."""
-    chat_template: str | None = None
-    """A Jinja chat template file that replaces the tokenizer's (and is saved with it in final/)."""
-    block_size: int | None = None
-    """Tokens per training sequence; unset means min(1024, the model's maximum length)."""
-    validation_split_percentage: float = 5.0
-    """Percent of the blocks held out for evaluation (at least one), unless the data set is a
-    DatasetDict with a "validation" split, which is evaluated on instead; 0 means no evaluation."""
-    cache_dir: str | None = None
-    """Where the tokenized data set is cached; unset means output_dir/.cache."""
-    dataset_num_proc: int | None = None
-    """Processes that tokenize the data set the first time (TRL's name); unset means one per CPU
-    core, at most 8. The first process of each node tokenizes, the others wait and share its cache."""
-    streaming: bool = False
-    """Read --dataset (a folder of JSON Lines or Parquet shards) as a stream, tokenized and packed
-    on the fly, each rank its own shards (shard i on rank i % ranks); a checkpoint saves the
-    stream's position. Needs --max-steps; evaluates on a validation/ subfolder of shards if any."""
-    lora_r: int | None = None
-    """Train LoRA adapters of this rank instead of every weight (needs peft)."""
-    lora_alpha: float | None = None
-    """LoRA scaling numerator; unset means 2 * lora_r."""
-    lora_dropout: float | None = None
-    """Dropout on the LoRA path; unset means 0.05 (0 where PEFT adapts a weight as a parameter:
-    the experts)."""
-    lora_target_modules: list[str] | None = None
-    """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else
-    all-linear; on a mixture of experts, every linear layer but the routers. There "experts" adapts
-    the experts' fused weights (PEFT's target_parameters) and a router's name (gate) the router."""
-    train_vision_tower: bool = False
-    """An image-text-to-text model: train the vision tower too (under LoRA, adapters on its
-    linear layers); by default it is frozen."""
-    train_projector: bool | None = None
-    """An image-text-to-text model: train the projector (vision features into the text width);
-    unset means yes for full fine-tuning, no under LoRA (where it is then trained whole)."""
-    image_buckets: list[str] | None = None
-    """Image sizes, WIDTHxHEIGHT, each image is resized into (the nearest in shape): each a fixed
-    number of image tokens; unset means the processor's one size (LLaVA, Gemma 3), or three of
-    equal token count, square, wide and tall (Qwen2.5-VL). Every bucket must give the same count."""
-    image_slots: int | None = None
-    """Images per packed block (the vision tower's fixed batch, padded with blank images); unset
-    means the mean images per block of the packed data, at least the most of one example."""
-    skip_bad_rows: bool = False
-    """Image data: leave out the rows whose image is missing or cannot be decoded (a truncated
-    file), counted in the header with the first one's reason; by default the first such row ends
-    the run before its first step, in one line naming it (every image is decoded while the data
-    set is encoded)."""
-    center_rewards_coefficient: float | None = None
-    """--method reward: add this times the squared sum of each pair's two rewards to the loss,
-    which keeps rewards centred on 0 (TRL's name; 0.01 in the paper that proposed it)."""
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ConfigError("model must name a local Hugging Face model folder")
-        if not self.dataset:
-            raise ConfigError(f"--model needs --dataset PATH: {_shapes()}")
-        if self.block_size is not None and self.block_size < 2:
-            raise ConfigError(f"block_size must be at least 2, got {self.block_size}")
-        if not 0 <= self.validation_split_percentage < 100:
-            raise ConfigError("validation_split_percentage must be in [0, 100), got "
-                              f"{self.validation_split_percentage}")
-        check_choice("method", self.method, METHOD_NAMES)
-        if self.center_rewards_coefficient is not None and (
-                self.method != "reward" or self.center_rewards_coefficient < 0):
-            raise ConfigError("--center-rewards-coefficient is for --method reward and must not be "
-                              f"negative, got {self.center_rewards_coefficient} with --method {self.method}")
-        if self.lora_r is not None and self.lora_r < 1:
-            raise ConfigError(f"lora_r must be at least 1, got {self.lora_r}")
-        given = [n for n in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(self, n) is not None]
-        if given and self.lora_r is None:
-            raise ConfigError(f"--{given[0].replace('_', '-')} needs --lora-r R (the adapters' rank)")
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
-            raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
-        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.image_slots is not None and self.image_slots < 1:
-            raise ConfigError(f"image_slots must be at least 1, got {self.image_slots}")
-        if self.lora_target_modules is not None and not self.lora_target_modules:
-            raise ConfigError("--lora-target-modules needs at least one module name (or leave it out)")
+def __getattr__(name: str):
+    if name == "HFOptions":  # the recipe's fields and the registered methods' (recipes/hf/options.py)
+        return options_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def defaults(options: HFOptions) -> dict:
+def defaults(options) -> dict:
     """Fine-tuning defaults as the Hugging Face Trainer's examples use them; LoRA takes a larger
     learning rate, since it moves far fewer weights."""
     return {
@@ -176,42 +53,61 @@ def defaults(options: HFOptions) -> dict:
     } | method_defaults(options)
 
 
-def method_defaults(options: HFOptions) -> dict:
-    """A method's own defaults over those: DPO's are TRL's DPOConfig's (methods/dpo/config.py).
-    Data that cannot be read yet gets none: run() says what is wrong with it."""
+def method_defaults(options) -> dict:
+    """The method's own defaults over those (TRL's config's: methods/dpo/config.py's ...): the
+    method --method names, else the one the data's columns ask for. Data that cannot be read yet
+    gets none: run() says what is wrong with it."""
     from .data import columns_of
+    from .methods import registered_methods
 
     try:
         columns = columns_of(options.dataset) or []
     except (InputError, OSError):
         return {}
-    if options.method == "reward":
-        return dict(REWARD_DEFAULTS)
-    if options.method == "grpo" or (options.method == "auto" and is_prompts(columns)
-                                    and options.reward_funcs):
-        return dict(GRPO_DEFAULTS)
-    dpo = options.method == "dpo" or (options.method == "auto" and is_preference(columns))
-    return dict(DPO_DEFAULTS) if dpo else {}
+    if options.method != "auto":
+        return dict(method_named(options.method).defaults)
+    claimed = next((m for m in registered_methods() if m.claims(columns, options)), None)
+    return dict(claimed.defaults) if claimed is not None else {}
 
 
-def run(options: HFOptions, training_args, accelerator_config) -> int:
+def kind_recipe(folder: Path, options):
+    """The recipe of the model's kind that trains `folder` on --dataset its own way (models/kind.py's
+    `recipe`: an image-text-to-text model's), or None: the methods' (an uncovered family: one line)."""
+    from ...models.kind import registered
+
+    for kind in registered():
+        own = kind.recipe()
+        if own is not None and own.takes(folder, options.base_model, options.dataset):
+            return own
+    return None
+
+
+@dataclasses.dataclass
+class Policy:
+    """What the recipe loaded for a method's `train`: the model (LoRA added under --lora-r), its
+    tokenizer, the block size, and the frozen reference in a one-item list the trainer empties
+    (no frame of the recipe keeps it alive, so DPO frees it once its log-probs are precomputed),
+    with the folder it came from (None: a copy of the starting weights, or none)."""
+
+    model: object
+    tokenizer: object
+    block_size: int
+    reference: list
+    ref_folder: Path | None
+
+
+def run(options, training_args, accelerator_config) -> int:
     import torch
 
     from ...distributed.launch import needs_launch, relaunch_current_program
     from ...distributed.launchers import adopt_launcher_env
-    from ...training.trainer import Trainer
-    from ..finish import train_and_finish
+    from .methods import resolved
 
     folder = model_folder(options.model, base_model=options.base_model,
                           weights=not options.from_scratch)
-    from ...kinds.vlm.recipe import has_images, vision_config
-
-    # an uncovered family: one line; text data on a type AutoModelForCausalLM takes: the text path
-    vision = vision_config(folder, options.base_model, images=has_images(options.dataset)) is not None
-    if vision:  # what the image path does not take, before any process starts (kinds/vlm/run.py)
-        from ...kinds.vlm.run import check_run
-
-        check_run(options, training_args)
+    own = kind_recipe(folder, options)
+    if own is not None:  # what the kind's recipe does not take, before any process starts
+        own.check_run(options, training_args)
     if options.streaming:  # a shard folder's refusals, before any weight is read (recipes/hf/stream.py)
         from .stream import check_stream
 
@@ -226,14 +122,11 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
         data_kind(options)  # the data's shape checked once, here, in one line
         return relaunch_current_program(training_args.devices, training_args.num_nodes)
     torch.manual_seed(training_args.seed)  # --from-scratch weights and LoRA's initial adapters
-    if vision:  # an image-text-to-text model (kinds/vlm/run.py)
-        from ...kinds.vlm.run import run_vision
-
-        return run_vision(options, training_args, accelerator_config, folder)
-    if options.method == "reward":  # a sequence-classification model on pairs (methods/reward/recipe.py)
-        from ...methods.reward.recipe import run_reward
-
-        return run_reward(options, training_args, accelerator_config, folder)
+    if own is not None:
+        return own.run(options, training_args, accelerator_config, folder)
+    asked = method_named(options.method)
+    if asked.loads_model:  # its own model (a reward model's head: methods/reward/recipe.py)
+        return asked.run(options, training_args, accelerator_config, folder)
     if is_adapter_folder(folder):  # a LoRA run's final/: training continues on its adapters
         options = dataclasses.replace(options, lora_r=continued_rank(options, folder))
     from .sharded import loads_sharded
@@ -242,32 +135,30 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     model, tokenizer = load_model(folder, options.from_scratch, base_model=options.base_model,
                                   trainable=True, sharded=sharded)
     check_vocabulary(model, tokenizer, folder)
-    kind = data_kind(options)
-    options = method_options(options, kind)  # beta and loss_type: the method's own defaults
-    dpo = kind == "dpo"  # preference pairs: DPO needs a reference (methods/dpo/recipe.py)
-    # GRPO needs one only with a KL penalty (beta > 0)
-    referenced = dpo or (kind == "grpo" and options.beta > 0)
+    method = method_named(data_kind(options))
+    options = resolved(options, method)  # beta and loss_type: the method's own defaults
+    referenced = method.references(options)
     ref_folder = (model_folder(options.ref_model, flag="--ref-model", base_model=options.base_model)
                   if referenced and options.ref_model else None)
-    # The frozen reference in a one-item list that the trainer empties: no frame of the recipe
-    # keeps it alive, so DPO frees it once its log-probs are precomputed.
-    ref_model = [load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
+    reference = [load_model(ref_folder, base_model=options.base_model, flag="--ref-model",
                             merge=True, sharded=sharded)[0] if ref_folder is not None else None]
-    if referenced and ref_model[0] is None and not options.lora_r:  # the starting weights, frozen
-        ref_model = [copy.deepcopy(model)]
+    if referenced and reference[0] is None and not options.lora_r:  # the starting weights, frozen
+        reference = [copy.deepcopy(model)]
     if options.lora_r and not is_adapter_folder(folder):
         model = add_lora(model, options)
     block_size = choose_block_size(options.block_size, model.config, tokenizer)
-    if kind == "grpo":
-        from ...methods.grpo.recipe import run_grpo
+    policy = Policy(model, tokenizer, block_size, reference, ref_folder)
+    del model, reference
+    return method.train(options, training_args, accelerator_config, folder, policy)
 
-        return run_grpo(options, training_args, accelerator_config, folder, model, tokenizer,
-                        ref_model.pop(), ref_folder)
-    if dpo:
-        from ...methods.dpo.recipe import run_dpo
 
-        return run_dpo(options, training_args, accelerator_config, folder, model, tokenizer,
-                       block_size, ref_model, ref_folder)
+def train_blocks(options, training_args, accelerator_config, folder: Path, policy: Policy) -> int:
+    """The causal LM's run (Method.train): text blocks, or the chat and instruction rows of the
+    method whose shape they have (SFT's), read whole or streamed, trained on the model's own loss."""
+    from ...training.trainer import Trainer
+    from ..finish import train_and_finish
+
+    model, tokenizer, block_size = policy.model, policy.tokenizer, policy.block_size
     if options.streaming:  # shards read as a stream, each rank its own (recipes/hf/stream.py)
         from .stream import stream_data, stream_header
 
@@ -299,7 +190,7 @@ def run(options: HFOptions, training_args, accelerator_config) -> int:
     return train_and_finish(trainer, header, record, load_line)
 
 
-def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
+def _expert_parallel(folder: Path, options, training_args) -> None:
     """A parallel layout the model's kinds and the world allow (an expert-parallel one: one line
     otherwise, before any weight is read; models/kind.py's `check_layout`)."""
     import transformers
@@ -318,14 +209,15 @@ def _expert_parallel(folder: Path, options: HFOptions, training_args) -> None:
         kind.check_layout(Sections.of(training_args).parallelism, world, config, options.model)
 
 
-def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cache_dir,
+def load_data(options, tokenizer, block_size: int, folder: Path, cache_dir,
               split: str = "train"):
-    """The data set as training and validation blocks (or rows): the method its columns ask for
-    (hf_sft.data_method), with the --chat-template given put into the tokenizer first. `split`:
-    the split read as the training blocks (hputrain evaluate --split reads another)."""
-    from .data import load_blocks
+    """The data set as training and validation blocks (or rows): text, or the rows of the method
+    whose shape its columns have (data_method; SFT's), with the --chat-template given put into
+    the tokenizer first. `split`: the split read as the training blocks (hputrain evaluate
+    --split reads another)."""
+    from .data import data_method, load_blocks
+    from .methods import rows_method
     from ...data.chat import use_chat_template
-    from ...methods.sft.recipe import data_method, load_sft
 
     use_chat_template(tokenizer, options.chat_template)
     method = data_method(options.dataset, options.text_column)
@@ -339,15 +231,15 @@ def load_data(options: HFOptions, tokenizer, block_size: int, folder: Path, cach
                            cache_dir=cache_dir, tokenizer_folder=folder,
                            workers=options.dataset_num_proc, split=split)
     else:
-        data = load_sft(options.dataset, method, tokenizer, block_size, options, cache_dir=cache_dir,
-                        tokenizer_folder=folder, split=split)
+        data = rows_method(method).load_rows(options.dataset, method, tokenizer, block_size, options,
+                                             cache_dir=cache_dir, tokenizer_folder=folder, split=split)
     data.method = method
     return data
 
 
 # -- the model -----------------------------------------------------------------------------------
 
-def step_model(options: HFOptions):
+def step_model(options):
     """One training step of this recipe, for `hputrain plan`: the fields of rehearsal.plan's
     StepModel (the folder's architecture from its config.json alone, no weight read; LoRA as
     --lora-r asks, r 16 when the plan tries it; blocks of --block-size tokens)."""
@@ -366,10 +258,12 @@ def step_model(options: HFOptions):
         raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
     longest = getattr(config.get_text_config(), "max_position_embeddings", None) or 1024
     block = options.block_size or min(1024, longest)
-    if is_image_text_to_text(config):  # its image blocks: kinds/vlm/plan.py
-        from ...kinds.vlm.step import vision_step_model
+    from ...models.kind import registered
 
-        return vision_step_model(folder, config, options, block)
+    for kind in registered():  # a kind that plans its own step (image blocks: kinds/vlm/plan.py)
+        own = kind.recipe()
+        if own is not None and own.plans(config):
+            return own.step_model(folder, config, options, block)
 
     def build(lora: bool):
         # a copy each time: the kernels set the attention implementation on the config they see
@@ -454,11 +348,10 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
-    from ...kinds.vlm.recipe import loads_as_causal_lm  # (it builds on this module: imported here)
-
-    if task == CAUSAL_LM and is_image_text_to_text(config) and not loads_as_causal_lm(config):
-        raise InputError(f"{flag} {folder} holds an image-text-to-text model ({describe_vision(config)}), "
-                         f"not a causal language model: {flag} does not take one here")
+    other = _other_model(config) if task == CAUSAL_LM else None
+    if other is not None:
+        raise InputError(f"{flag} {folder} holds {other}, not a causal language model: {flag} does "
+                         "not take one here")
     tokenizer = _load_tokenizer(folder, flag)
     auto = transformers.AutoModelForCausalLM
     try:
@@ -475,6 +368,19 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
         raise InputError(f"{flag} {folder} cannot be loaded as {TASK_WORDS[task or CAUSAL_LM]}: "
                          f"{_first_line(exc)}") from None
     return model, tokenizer
+
+
+def _other_model(config) -> str | None:
+    """What the model of `config` is, when a kind with its own recipe says AutoModelForCausalLM
+    does not load it (an image-text-to-text model's words); None: it loads."""
+    from ...models.kind import registered
+
+    for kind in registered():
+        own = kind.recipe()
+        words = own.refusal(config) if own is not None else None
+        if words is not None:
+            return words
+    return None
 
 
 def check_vocabulary(model, tokenizer, folder: Path, flag: str = "--model") -> None:
@@ -498,7 +404,7 @@ def _load_tokenizer(folder: Path, flag: str):
                          "the tokenizer into the folder (tokenizer.save_pretrained)") from None
 
 
-def add_lora(model, options: HFOptions):
+def add_lora(model, options):
     """`model` wrapped by peft with LoRA adapters: only the adapters will require grad."""
     if options.lora_target_modules and not moe_experts(model):
         _check_targets(model, options.lora_target_modules)
@@ -519,10 +425,12 @@ def _check_targets(model, targets: list[str]) -> None:
 
 # -- the run header ------------------------------------------------------------------------------
 
-def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
+def _header(trainer, model, options, data, block_size: int) -> str:
     from .data import splits_line
-    from ...methods.sft.recipe import METHODS, describe
     from .common import counted, split_sizes
+    from .methods import rows_method
+
+    method = rows_method(data.method)  # SFT's, for its rows
 
     held_out = len(data.validation) if data.validation is not None else 0
     cached = f"from the cache {data.cache_file}" if data.from_cache else f"cached in {data.cache_file}"
@@ -536,15 +444,9 @@ def _header(trainer, model, options: HFOptions, data, block_size: int) -> str:
     else:
         validation = "none (--validation-split-percentage 0)"
     return (f"{model_line(trainer, model, options)}\n"
-            f"hputrain: method: {METHODS[data.method]}\n"
+            f"hputrain: method: {method.words[data.method]}\n"
             + (f"hputrain: {split_sizes(len(data.train), held_out, 'block')} of {block_size} "
                f"tokens from {options.dataset} ({cached})\n" if data.method == "text" else
-               describe(data, options, block_size, f"from {options.dataset} ({cached})"))
+               method.describe_rows(data, options, block_size, f"from {options.dataset} ({cached})"))
             + splits_line(options.dataset, options.validation_split_percentage > 0)
             + f"hputrain: validation: {validation}")
-
-
-def _shapes() -> str:
-    from .data import SHAPES
-
-    return SHAPES

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...data import token_store
+from ...data import sft, token_store
 from ...data.batching import walk_sorted
 from ...data.splits import FolderSplits, describe, folder_splits
 from ...data.streaming import read_rows
@@ -561,3 +561,20 @@ def _write_cache(path: Path, blocks: np.ndarray) -> None:
     except OSError as exc:
         raise InputError(f"the token cache {path.parent} cannot be written: {exc.strerror}: choose "
                          "another --cache-dir or output_dir") from None
+
+
+def data_method(path: str, text_column: str = "text") -> str:
+    """"text", or the SFT row shape (sft.FORMATS) of the data set at `path`, from its columns."""
+    columns = columns_of(path)
+    if columns is None:
+        return "text"
+    try:
+        return sft.detect_format(columns)
+    except InputError:
+        if text_column in columns:
+            return "text"
+        where = f"{path} has no {text_column!r} column" if Path(path).is_dir() else \
+            f"{path} line 1 has no {text_column!r} field"
+        raise InputError(f"--dataset {where} (it has: {', '.join(map(str, columns)) or 'nothing'}): "
+                         "name the text field with --text-column, or give chat rows in 'messages' "
+                         "or 'conversations', or 'prompt' and 'completion'") from None

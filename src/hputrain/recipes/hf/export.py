@@ -5,7 +5,8 @@ folder. It is written in the dtype the base's config.json names (merged in float
 a temporary folder renamed into place (checkpoint/export.py's save_model). The adapters of a
 sequence classifier (a LoRA reward model, task_type SEQ_CLS) merge into a sequence classifier
 that keeps their trained score head (checkpoint/model_folders.py); an image-text-to-text model's
-into its AutoModelForImageTextToText class, written with its processor (kinds/vlm/recipe.py)."""
+into its AutoModelForImageTextToText class, written with its processor (the kind's recipe,
+models/kind.py: kinds/vlm/run.py)."""
 from __future__ import annotations
 
 import json
@@ -30,11 +31,9 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
     # image-text-to-text, written with its processor (a folder without one: the causal-LM path)
-    from ...kinds.vlm.recipe import has_processor_files, load_vision, saver, vision_config
-
-    if vision_config(folder, base_model, images=has_processor_files(folder, base_model)) is not None:
-        merged, processing = load_vision(folder, "--merge", base_model=base_model, merge=True)
-        tokenizer = saver(processing)
+    own = _kind_recipe(folder, base_model)
+    if own is not None:
+        merged, tokenizer = own.merged(folder, base_model)
     else:
         merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True,
                                        task=None)  # its own task: a classifier keeps its head
@@ -43,6 +42,18 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
         merged = merged.to(dtype)
         merged.config.dtype = dtype
     return save_model(merged, target, tokenizer)
+
+
+def _kind_recipe(folder: Path, base_model: str | None):
+    """The recipe of the model's kind that merges `folder` its own way (models/kind.py's `recipe`:
+    an image-text-to-text model's, with its processor), or None."""
+    from ...models.kind import registered
+
+    for kind in registered():
+        own = kind.recipe()
+        if own is not None and own.merges(folder, base_model):
+            return own
+    return None
 
 
 def _stored_dtype(base: Path):

@@ -26,7 +26,7 @@ import torch
 
 from ...data import packing
 from ...data import sft
-from ...data.chat import use_chat_template
+from ...data.chat import chat_template, use_chat_template
 from ...data.streaming import ShardStream, find_shards, first_row, read_rows, validation_shards
 from ...errors import InputError
 from . import data as hf_data
@@ -127,8 +127,6 @@ class SFTEncoder:
     def __init__(self, tokenizer, fmt: str, first: dict, options) -> None:
         self.tokenizer, self.fmt = tokenizer, fmt
         text_pairs = fmt == "prompt_completion" and isinstance(first.get("prompt"), str)
-        from ...methods.sft.recipe import chat_template
-
         self.chat = None if text_pairs else chat_template(tokenizer, fmt)
         self.assistant_only_loss = options.assistant_only_loss
         self.completion_only_loss = options.completion_only_loss
@@ -161,7 +159,7 @@ def validation_set(shards: list[Path], encode, kind: str, block_size: int, pad: 
 def stream_header(first_line: str, trainer, options, data: StreamData, block_size: int) -> str:
     """The run header of a streaming run: `first_line` (the model, hf.model_line), the method,
     the shards and the validation."""
-    from ...methods.sft.recipe import METHODS
+    from .methods import rows_method
 
     stream, ranks = data.train, trainer.group.dp_size
     shape = {"text": "blocks of text", "packed": "blocks packed with attention kept inside each "
@@ -177,7 +175,7 @@ def stream_header(first_line: str, trainer, options, data: StreamData, block_siz
     uneven = (f"; {count} shards do not split evenly over {ranks} ranks: a pass ends when the first "
               "rank's run out, and a line says what the others leave unread" if count % ranks else "")
     return (f"{first_line}\n"
-            f"hputrain: method: {METHODS[data.method]}\n"
+            f"hputrain: method: {rows_method(data.method).words[data.method]}\n"
             f"hputrain: streaming {count} shard(s) of {options.dataset} (shard i on "
             f"data-parallel rank i % {ranks}; rank 0 reads {len(stream.all_shards[::ranks])}{uneven}): "
             f"{shape} of {block_size} tokens, made on the fly; each checkpoint saves every rank's "

@@ -55,7 +55,6 @@ from ...training.loss import IGNORE_INDEX
 from ...training.optim import create_optimizer
 from ...training.prepare import prepare_model
 from ...training.extras import model_extras, token_mask
-from ...kinds.moe.plan import MoELayout, expert_parallel_stand_ins, grouped_mm_shapes, moe_layout
 from .tracking import CATEGORIES, BucketCopies, StepPeak, Trace, breakdown, tracker
 
 
@@ -99,6 +98,11 @@ class StepModel:
     vision: object | None = None
     """An image-text-to-text model's step: the recipe's settings (a dict), which
     plan_vlm.vlm_step turns into its VisionStep (image blocks, the tower's share); else None."""
+    trainer: Callable | None = None
+    """The method's own trainer for the measured step (plan/measure.py): `trainer(step, args,
+    model, copies, peak)` -> a Trainer whose callbacks include `peak`, on `copies` batches of the
+    step's shape (DPO's, methods/dpo/plan.py; GRPO's, methods/grpo/plan.py); None: the core
+    Trainer on the step's batches."""
 
 
 @dataclass
@@ -112,9 +116,10 @@ class Plan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     """How the trace stood in for what it could not run here (the kernels, a compiled step)."""
-    moe: MoELayout | None = None
-    """A mixture of experts' layout (kinds/moe/plan.py): experts, active parameters, the
-    expert-parallel split and its all-to-all buffers; None for a dense model."""
+    moe: object | None = None
+    """A model kind's layout (ModelKind.plan_layout; a mixture of experts', kinds/moe/plan.py:
+    experts, active parameters, the expert-parallel split and its all-to-all buffers); None for a
+    dense model."""
     vision: object | None = None
     """An image-text-to-text model's vision tower share (plan_vlm.VisionShare), else None."""
     fp8: dict | None = None
@@ -200,7 +205,7 @@ class StepTrace(Trace):
     """A traced step (plan_tracking.Trace) and the device kernels its model ran with."""
 
     kernels: dict[str, int] = field(default_factory=dict)
-    moe: MoELayout | None = None
+    moe: object | None = None
     vision: object | None = None
 
 
@@ -214,19 +219,19 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
     torch.manual_seed(args.seed)
     with torch.device("meta") if fake else contextlib.nullcontext():
         model = step.build(step.lora)  # on the meta device: shapes only, nothing read
-        layout = moe_layout(model, args, tokens=0)  # the whole model's, before any split
+        layout = _layout(model, args)  # the whole model's, before any split
         if expert_parallel:
             _check_expert_parallel(model, args, ranks)
         reference = _frozen(step.reference(step.lora) if step.reference else None, args,
                             accelerator, like_trained=step.grpo is not None)
     mode = _fake_mode() if fake else contextlib.nullcontext()
-    shapes = grouped_mm_shapes() if fake else contextlib.nullcontext()
-    experts = expert_parallel_stand_ins() if expert_parallel else contextlib.nullcontext()
+    # the kinds' stand-ins (a mixture of experts': grouped_mm's shapes, the expert-parallel split)
+    kinds = _entered([c for kind in registered() for c in kind.plan_tracing(args, fake)])
     images = getattr(step.vision, "tracing", None)  # an image step's (kinds/vlm/plan.py)
     images = images() if fake and images else contextlib.nullcontext()
     grouped = (sharded or expert_parallel) and ranks > 1
     group_of = _fake_group(ranks) if grouped else contextlib.nullcontext()
-    with group_of as group, mode, shapes, experts, images:
+    with group_of as group, mode, kinds, images:
         if fake:  # fake tensors of the meta ones' shapes: ops run, nothing is allocated
             for module in filter(None, (model, reference)):
                 module.to_empty(device="cpu")
@@ -243,7 +248,7 @@ def trace_step(step: StepModel, args, accelerator, fake: bool = True,
         _warm_up(optimizer, clip)
         batch = step.batch(args.per_device_train_batch_size)
         inputs = [v for v in _values(batch) if isinstance(v, torch.Tensor)]
-        layout = layout and dataclasses.replace(layout, tokens=_tokens(batch))
+        layout = layout and layout.with_tokens(_tokens(batch))
         backend = args.ddp_backend or backend
         counting = tracker(model, optimizer, sharded, inputs, backend=backend,
                            offloaded=args.fsdp_cpu_offload, frozen=reference)
@@ -553,6 +558,21 @@ def _unpacked_rows(batch):
         yield
     finally:
         masking_utils.find_packed_sequence_indices = found
+
+
+def _layout(model, args):
+    """The first registered kind's plan layout of `model` (ModelKind.plan_layout), or None."""
+    return next((found for kind in registered() if (found := kind.plan_layout(model, args)) is not None),
+                None)
+
+
+@contextlib.contextmanager
+def _entered(contexts):
+    """`contexts` entered in order (and left in reverse), as one context."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _expert_parallel_size(args) -> int:

@@ -35,7 +35,8 @@ temporary...). What we change, and why:
   products' temporaries, a LoRA adapter's folded weights), is counted as it is alive at the
   peak, taken out of the activations and temporaries it would otherwise be: the tracker tags
   each storage created while an experts module is among the modules running (ModTracker's
-  parents, which backward fills too).
+  parents, which backward fills too). The modules are the model kinds' to name
+  (ModelKind.counted_apart).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import torch
 
 from ...callbacks import Callback
 from ...distributed.group import reduces_in_a_copy
+from ...models.kind import registered
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
 EXPERTS = "experts"
@@ -120,13 +122,12 @@ def _categorised(items, experts: dict | None = None) -> dict[str, int]:
 
 
 def _experts_of(*models) -> tuple:
-    """The experts modules of `models` (None skipped), and the PEFT wrappers around them (LoRA on
-    the experts: ParamWrapper, whose forward folds the adapters into their weights first)."""
-    from ...kinds.moe.plan import experts_modules
-
+    """The modules of `models` (None skipped) the model kinds count apart (ModelKind.counted_apart:
+    a mixture of experts' experts modules), and the PEFT wrappers around them (LoRA on the
+    experts: ParamWrapper, whose forward folds the adapters into their weights first)."""
     found = []
     for model in filter(None, models):
-        experts = {id(m) for m in experts_modules(model)}
+        experts = {id(m) for kind in registered() for m in kind.counted_apart(model)}
         for module in model.modules():
             inner = module
             while isinstance(getattr(inner, "base_layer", None), torch.nn.Module):
