@@ -146,7 +146,7 @@ def test_the_weight_files_checked_are_those_a_load_reads(cut_folders, tmp_path):
     adapter folder's adapters and then its base's weights, and passes whole folders."""
     import shutil
 
-    from hputrain.checkpoint.model_folders import check_weight_files, weight_files
+    from hputrain.recipes.hf.folders import check_weight_files, weight_files
     from hputrain.errors import InputError
 
     sharded, cut = cut_folders["sharded"]

@@ -35,7 +35,7 @@ from ..errors import EveryRankError, InputError
 from .checks import named_write, write_failure
 from .folder import ADAPTER_FILE, MODEL_FILE, finalize, os_reason
 from .host import each_once, gathered_state, is_sharded, unwrap_model
-from .model_folders import INDEX_FILE
+from .hf_weights import INDEX_FILE
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -34,7 +34,9 @@ import torch
 
 from .hf_conversion import Node, folder_plan, whole_box
 from .host import STATE_VIEWS
-from .model_folders import INDEX_FILE, WEIGHTS_FILE
+
+WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+"""A model folder's weights as save_pretrained writes them: one file, or shards and their index."""
 PEFT_PREFIX = "base_model.model."
 WRAPPER_PARTS = ("base_layer.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Name parts of wrappers around a module, which its weights' names in a folder never have."""

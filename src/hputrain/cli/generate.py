@@ -78,7 +78,7 @@ def _check_source(args) -> None:
 
 
 def _chat(args, accelerator) -> int:
-    from ..recipes.hf import model_folder
+    from ..recipes.hf.folders import model_folder
     from ..recipes.hf.chat import chat_answer
     from ..kinds.vlm.chat import answers_as_vision_model, vision_answer
 

@@ -22,11 +22,10 @@ import re
 import warnings
 from pathlib import Path
 
-from ...checkpoint.model_folders import adapter_base, is_adapter_folder, tokenizer_folder
 from ...errors import InputError
 from ...errors import first_line as _first_line
 from .family import is_image_text_to_text, refusal, vision_family
-from ...recipes.hf.adapters import with_adapters
+from ...recipes.hf.folders import adapter_base, is_adapter_folder, tokenizer_folder, with_adapters
 
 
 class TokenizerAndImages:

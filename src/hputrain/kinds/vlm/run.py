@@ -121,7 +121,7 @@ def check_run(options, training_args) -> None:
 
 def run_vision(options, training_args, accelerator_config, folder: Path) -> int:
     """The training run on an image-text-to-text folder (recipes/hf/__init__.py's run sends it here)."""
-    from ...checkpoint.model_folders import is_adapter_folder
+    from ...recipes.hf.folders import is_adapter_folder
     from ...training.trainer import Trainer
     from ...recipes.finish import train_and_finish
     from ...recipes.hf.adapters import continued_rank

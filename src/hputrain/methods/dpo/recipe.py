@@ -224,7 +224,7 @@ def evaluate_pairs(options, *, batch_size: int = 8, precision: str = "fp32",
     eval_logps/* with TRL's names (methods/dpo/trainer.py), eval_pairs, and the pairs cut to the block
     size (examples_cut) or left out (their prompt fills it)."""
     from .trainer import DPOTrainer
-    from ...recipes.hf import load_model, model_folder
+    from ...recipes.hf.folders import load_model, model_folder
     from ...data.chat import use_chat_template
 
     if not options.ref_model:

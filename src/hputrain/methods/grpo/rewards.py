@@ -14,7 +14,7 @@ joined (as text, or through its tokenizer's chat template when the prompt is a c
 padded on the right, and the score is the model's one logit.
 
 On the command line an entry is `FILE.py:NAME` (a function in a Python file) or a reward model:
-a model folder, or the adapter folder of a LoRA reward model (checkpoint/model_folders.py).
+a model folder, or the adapter folder of a LoRA reward model (recipes/hf/folders.py).
 Every fault of an entry or of a function's answer is one line naming the function (and the step).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ...callbacks.writers import json_safe
-from ...checkpoint.model_folders import ADAPTER_CONFIG, is_adapter_folder, load_scorer
+from ...recipes.hf.folders import ADAPTER_CONFIG, is_adapter_folder, load_scorer
 from ...errors import InputError
 
 FIXED_KEYS = ("prompt", "completion", "completion_ids")
@@ -120,7 +120,7 @@ def _import_file(path: Path, module_name: str, entry: str):
 
 def _load_model(folder: Path, entry: str):
     """The sequence classifier in `folder` (a model folder, or a classifier's adapter folder,
-    merged: checkpoint/model_folders.py) with its tokenizer; refuses more than one label."""
+    merged: recipes/hf/folders.py) with its tokenizer; refuses more than one label."""
     import transformers
 
     where = f"reward model {entry}:"

@@ -21,7 +21,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ...checkpoint.model_folders import (SEQ_CLS, check_task, classifier_adapters,
+from ...recipes.hf.folders import (SEQ_CLS, check_task, classifier_adapters,
                                          is_adapter_folder, quiet_load_report)
 from ...errors import InputError, first_line
 from ...recipes.hf import data as hf_data
@@ -43,7 +43,8 @@ def run_reward(options, training_args, accelerator_config, folder: Path) -> int:
     from ...recipes.finish import train_and_finish
     from ...data.chat import use_chat_template
 
-    from ...recipes.hf.adapters import continued_rank, tokenizer_source
+    from ...recipes.hf.adapters import continued_rank
+    from ...recipes.hf.folders import tokenizer_source
     from ...recipes.hf.sharded import loads_sharded
 
     shape = check_reward_data(options, folder)

@@ -17,11 +17,10 @@ from pathlib import Path
 from ...config.fields import ConfigError  # noqa: F401  (a bad option's error, imported from here too)
 from ...errors import InputError, did_you_mean
 from ...errors import first_line as _first_line
-from ...checkpoint.model_folders import (CAUSAL_LM, SEQ_CLS, TASK_WORDS, adapter_base, check_task,
-                                         check_weight_files, folder_task, head_labels,
-                                         is_adapter_folder, load_classifier, tokenizer_folder)
-from .adapters import (continued_rank, is_linear, moe_experts, tokenizer_source,
-                       with_adapters, wrap_lora)
+from .adapters import continued_rank, is_linear, moe_experts, wrap_lora
+# a model folder, read and loaded (imported from here too)
+from .folders import (adapter_base, check_vocabulary, is_adapter_folder, load_model,  # noqa: F401
+                      model_folder, tokenizer_source)
 from .common import choose_block_size  # noqa: F401  (imported from here too)
 from .common import model_line
 # imported from here too
@@ -278,131 +277,6 @@ def step_model(options):
 
     return {"build": build, "batch": batch, "lora": bool(options.lora_r), "lora_possible": True,
             "name": f"{config.model_type} from {folder}, blocks of {block} tokens"}
-
-def model_folder(name: str, *, flag: str = "--model", base_model: str | None = None,
-                 weights: bool = True) -> Path:
-    """`name` as a model folder on this machine, or a PEFT adapter folder whose base model is one
-    (`base_model`, --base-model, else the one its adapter_config.json names); else one line
-    saying why it is neither. `weights`: its safetensors files are whole too (not for
-    --from-scratch), checked before any process starts."""
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        if folder.exists():
-            raise InputError(f"{flag} {name} is a file: give the folder holding config.json, the "
-                             "weights and the tokenizer files")
-        raise InputError(f"{flag} {name} is not a folder on this machine: hputrain train works "
-                         f"offline; download it first (huggingface-cli download {name} --local-dir DIR)")
-    if is_adapter_folder(folder):
-        adapter_base(folder, base_model, flag)  # one line now when the base is not found
-    elif not (folder / "config.json").is_file():
-        raise InputError(f"{flag} {name} has no config.json: give a folder written by save_pretrained "
-                         "(config.json, weights, tokenizer files), or a PEFT adapter folder "
-                         "(adapter_config.json)")
-    if weights:
-        check_weight_files(folder, flag, base_model)
-    return folder
-
-
-def load_model(folder: Path, from_scratch: bool = False, *, base_model: str | None = None,
-               trainable: bool = False, merge: bool = False, flag: str = "--model",
-               sharded: bool = False, task: str | None = CAUSAL_LM):
-    """(model in float32, tokenizer) from `folder`, never from the network. Float32 weights: the
-    precision plugin casts per op, and the optimizer keeps full-precision weights. `sharded`
-    (fsdp or expert parallelism across processes): the model's parameters stay on the meta
-    device, and each rank reads its own shards once fsdp has cut them or its experts once they
-    are split (recipes/hf/sharded.py); not for a base whose adapters
-    are merged into it, nor for --from-scratch (drawn as before). `task`: the model asked for,
-    a causal LM unless said (checkpoint/model_folders.py); a folder of the other task's model
-    or adapters is one line; None takes the folder's own (a sequence classifier's adapters load
-    onto a sequence classifier of their head's labels, which `merge` keeps).
-
-    An adapter folder (recipes/hf/adapters.py) is its base model with its adapters loaded by PEFT:
-    trainable ones with `trainable` (training continues on them), merged into the weights with
-    `merge` (a frozen reference needs no adapters), else frozen; the tokenizer is the folder's
-    own when it has one."""
-    task = check_task(folder, task, flag) if task is not None else folder_task(folder, flag)
-    if not is_adapter_folder(folder):
-        return _load_folder(folder, from_scratch, flag, sharded, task=task)
-    base = adapter_base(folder, base_model, flag)
-    labels = head_labels(folder) if task == SEQ_CLS else None
-    model, tokenizer = _load_folder(base, False, flag, sharded and not merge, task=task,
-                                    labels=labels)
-    if tokenizer_folder(folder, base) == folder:
-        tokenizer = _load_tokenizer(folder, flag)
-    return with_adapters(model, folder, trainable=trainable, merge=merge, flag=flag), tokenizer
-
-
-def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = False, *,
-                 task: str | None = CAUSAL_LM, labels: int | None = None):
-    """(model, tokenizer) of a model folder (see load_model). Loaded from its absolute path, the
-    model's name_or_path, which PEFT writes into adapter_config.json as the base, holds from any
-    working directory. `task` SEQ_CLS: a sequence classifier of `labels` (load_classifier)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
-    import torch
-    import transformers
-
-    from .sharded import meta_model
-
-    transformers.utils.logging.disable_progress_bar()  # the run prints its own progress
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"{flag} {folder}: config.json cannot be read: {_first_line(exc)}") from None
-    other = _other_model(config) if task == CAUSAL_LM else None
-    if other is not None:
-        raise InputError(f"{flag} {folder} holds {other}, not a causal language model: {flag} does "
-                         "not take one here")
-    tokenizer = _load_tokenizer(folder, flag)
-    auto = transformers.AutoModelForCausalLM
-    try:
-        if task == SEQ_CLS:
-            return load_classifier(folder, labels, config), tokenizer
-        if sharded and not from_scratch and (model := meta_model(folder, config, flag)) is not None:
-            return model, tokenizer
-        if from_scratch:
-            model = auto.from_config(config, dtype=torch.float32)
-        else:
-            model = auto.from_pretrained(folder.resolve(), config=config, dtype=torch.float32,
-                                         local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"{flag} {folder} cannot be loaded as {TASK_WORDS[task or CAUSAL_LM]}: "
-                         f"{_first_line(exc)}") from None
-    return model, tokenizer
-
-
-def _other_model(config) -> str | None:
-    """What the model of `config` is, when a kind with its own recipe says AutoModelForCausalLM
-    does not load it (an image-text-to-text model's words); None: it loads."""
-    from ...models.kind import registered
-
-    for kind in registered():
-        own = kind.recipe()
-        words = own.refusal(config) if own is not None else None
-        if words is not None:
-            return words
-    return None
-
-
-def check_vocabulary(model, tokenizer, folder: Path, flag: str = "--model") -> None:
-    """A tokenizer that gives ids the model has no embedding row for (tokens added and the
-    embeddings not resized) is one line here, not an IndexError in the first forward."""
-    embeddings = model.get_input_embeddings()
-    rows = getattr(embeddings, "num_embeddings", None)
-    if rows is not None and len(tokenizer) > rows:
-        raise InputError(f"{flag} {folder}: its tokenizer has {len(tokenizer)} tokens and the model "
-                         f"embeds {rows}: resize the embeddings to the tokenizer "
-                         "(model.resize_token_embeddings(len(tokenizer))) and save the folder again")
-
-
-def _load_tokenizer(folder: Path, flag: str):
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{flag} {folder}: no tokenizer could be loaded ({_first_line(exc)}): save "
-                         "the tokenizer into the folder (tokenizer.save_pretrained)") from None
-
 
 def add_lora(model, options):
     """`model` wrapped by peft with LoRA adapters: only the adapters will require grad."""

@@ -1,31 +1,16 @@
-"""PEFT adapter folders where a model folder is taken: what `hputrain train --lora-r` writes into
-output_dir/final (adapter_config.json, adapter_model.safetensors, the tokenizer files) is a model
-to `hputrain evaluate`, `hputrain generate`, `--ref-model` and `--model` (training continues on
-its adapters), and `hputrain export --merge` turns it into one model folder.
-
-The base model is `--base-model DIR` when given, else adapter_config.json's
-`base_model_name_or_path` (which hputrain writes as an absolute path, so that the folder works
-from any working directory: checkpoint/export.py). The tokenizer is the adapter folder's own when
-it has one (a run's final/ does, with its --chat-template), else the base's. Reading such
-folders is checkpoint/model_folders.py's (the reward functions read them too); this module adds
-what the recipes do with them: continuing training on a folder's adapters, and what new adapters
-go on (lora_settings): on a mixture of experts attention and the dense layers by default, the
-experts' fused 3-D weights and the routers only when --lora-target-modules names them.
+"""LoRA adapters in the Hugging Face recipe: training that continues on an adapter folder's
+adapters (`continued_rank`: what `hputrain train --lora-r` wrote into output_dir/final, given as
+--model), and what new adapters go on (lora_settings): on a mixture of experts attention and the
+dense layers by default, the experts' fused 3-D weights and the routers only when
+--lora-target-modules names them. Reading adapter folders (their base, tokenizer, adapters) is
+recipes/hf/folders.py's.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...checkpoint.model_folders import adapter_base, adapter_config, is_adapter_folder, tokenizer_folder
+from .folders import adapter_config
 from ...errors import InputError
-
-
-def tokenizer_source(folder: Path, base_model: str | None = None) -> Path:
-    """The folder whose tokenizer files load_model reads for `folder` (a model or adapter folder):
-    what the token cache's key is made of."""
-    if not is_adapter_folder(folder):
-        return folder
-    return tokenizer_folder(folder, adapter_base(folder, base_model))
 
 
 def continued_rank(options, folder: Path) -> int:
@@ -198,21 +183,3 @@ def is_linear(module) -> bool:
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def with_adapters(model, folder: Path, *, trainable: bool, merge: bool, flag: str):
-    """`model` (an adapter folder's base, maybe on the meta device for fsdp's sharded loading)
-    with the folder's adapters loaded by PEFT: trainable with `trainable`, merged into the
-    weights with `merge`, else frozen. On a meta base PEFT's copy of the values is a no-op: they
-    are read again once the adapters are on the meta device (hf_sharded.load_adapter_values)."""
-    import warnings
-
-    from ...checkpoint.model_folders import load_adapter
-    from ...distributed.fsdp import on_meta
-    from .sharded import load_adapter_values
-
-    meta = on_meta(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
-        model = load_adapter(model, folder, trainable=trainable, flag=flag)
-    if meta:
-        load_adapter_values(model, folder)
-    return model.merge_and_unload() if merge else model

@@ -51,7 +51,7 @@ def chat_answer(folder: Path, question: str, accelerator, *, max_new_tokens: int
     """The model's answer to `question` (see the module docstring): greedy with temperature 0,
     else sampled (seed the generator first). `folder` may be an adapter folder (on its base
     model, or `base_model`): PEFT's model generates with the adapters."""
-    from . import load_model
+    from .folders import load_model
 
     model, tokenizer = load_model(folder, base_model=base_model)
     if not isinstance(getattr(tokenizer, "chat_template", None), str):

@@ -27,8 +27,8 @@ def evaluate(options, *, batch_size: int = 8, precision: str = "fp32", split: st
     import torch
 
     from ...training.trainer import Trainer
-    from . import choose_block_size, data_kind, kind_recipe, load_data, load_model, model_folder
-    from .adapters import tokenizer_source
+    from . import choose_block_size, data_kind, kind_recipe, load_data
+    from .folders import load_model, model_folder, tokenizer_source
     from .data import check_split
     from .methods import method_named
 

@@ -4,7 +4,7 @@ merged into its base model (PEFT's merge_and_unload) and written as save_pretrai
 folder. It is written in the dtype the base's config.json names (merged in float32 first), into
 a temporary folder renamed into place (checkpoint/export.py's save_model). The adapters of a
 sequence classifier (a LoRA reward model, task_type SEQ_CLS) merge into a sequence classifier
-that keeps their trained score head (checkpoint/model_folders.py); an image-text-to-text model's
+that keeps their trained score head (recipes/hf/folders.py); an image-text-to-text model's
 into its AutoModelForImageTextToText class, written with its processor (the kind's recipe,
 models/kind.py: kinds/vlm/run.py)."""
 from __future__ import annotations
@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 
 from ...checkpoint.export import save_model
-from ...checkpoint.model_folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder
+from .folders import ADAPTER_CONFIG, adapter_base, is_adapter_folder, load_model, model_folder
 from ...errors import InputError
-from . import load_model, model_folder
 
 
 def export_merged(adapter: str, output: str, base_model: str | None = None) -> Path:

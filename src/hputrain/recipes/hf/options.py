@@ -3,7 +3,6 @@ method's flags (recipes/hf/methods.py), put together once the methods are regist
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 from ...config.fields import ConfigError, check_choice, field_docs
 
@@ -32,8 +31,7 @@ def compose(methods, shared: frozenset[str]) -> type:
 class RecipeSettings:
     """The Hugging Face recipe's own settings (HFOptions adds the methods')."""
 
-    methods: typing.ClassVar[tuple] = ()
-    """The methods whose flags HFOptions holds (recipes/hf/methods.py), which check them."""
+    methods = ()  # not a field: the methods whose flags HFOptions holds, which check them
 
     model: str | None = None
     """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune, or a

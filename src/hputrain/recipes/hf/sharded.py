@@ -12,7 +12,7 @@ transformers' weight conversion included (a mixture of experts stored one expert
 fills its fused experts parameters, each rank reading its own experts). A folder whose tensors
 do not map onto the model's parameters falls back to `from_pretrained` on every rank, with one
 line saying why. One process, and every
-other strategy, loads as before (recipes/hf/__init__.py `_load_folder`). The reward recipe's sequence
+other strategy, loads as before (recipes/hf/folders.py `_load_folder`). The reward recipe's sequence
 classifier loads the same way, its score head drawn when the folder is a causal LM's (`meta_model`'s
 new_heads).
 """
