@@ -30,10 +30,10 @@ test: $(STAMP)
 # them (CI runs this after `make test`): a floor that is promised is a floor that is tested.
 OLDEST := .venv-oldest
 OLDEST_PINS := transformers==4.56.2 peft==0.17.1 datasets==3.6.0 accelerate==1.10.1
-OLDEST_TESTS := tests/test_recipe_hf.py tests/methods/sft/test_sft_data.py tests/methods/sft/test_sft_recipe.py \
-	tests/test_lora_checkpoint.py tests/test_checkpoint_hf.py tests/test_hf_vocabulary.py \
-	tests/methods/dpo/test_dpo.py tests/test_adapters.py tests/test_sharded_loading.py tests/test_token_cache.py \
-	tests/test_streaming.py tests/methods/grpo/test_grpo.py tests/test_generation.py
+OLDEST_TESTS := tests/recipes/test_recipe_hf.py tests/methods/sft/test_sft_data.py tests/methods/sft/test_sft_recipe.py \
+	tests/checkpoint/test_lora_checkpoint.py tests/checkpoint/test_checkpoint_hf.py tests/config/test_hf_vocabulary.py \
+	tests/methods/dpo/test_dpo.py tests/recipes/test_adapters.py tests/recipes/test_sharded_loading.py tests/data/test_token_cache.py \
+	tests/data/test_streaming.py tests/methods/grpo/test_grpo.py tests/execution/test_generation.py
 
 $(OLDEST)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST)
@@ -53,7 +53,7 @@ test-slow: $(STAMP)
 # "auto" picked (marked bf16_auto, in the files listed here: a test checks the list) with bf16 taken
 # as native, then as emulated (the switch HPUTRAIN_CPU_NATIVE_BF16); test-bf16-auto runs the whole
 # suite as a CPU of the other kind than this one would.
-BF16_AUTO_TESTS := tests/test_cpu_bf16.py tests/methods/grpo/test_grpo.py
+BF16_AUTO_TESTS := tests/accelerators/test_cpu_bf16.py tests/methods/grpo/test_grpo.py
 
 test-bf16-both: $(STAMP)
 	$(BIN)/python -m pytest -q -m bf16_auto $(BF16_AUTO_TESTS) --cpu-bf16=native

@@ -5,7 +5,7 @@ rank that dies now and then (issue 22: "rank 1 failed (exit code -6): Signal 6 (
     python bench/abort_loop.py --runs 50 --out /tmp/abort            # the issue's 4-process fsdp run
     python bench/abort_loop.py --runs 50 --devices 2 --strategy ddp  # a 2-process variant
     python bench/abort_loop.py --runs 100 --probe --devices 2     # only how a worker ends (fast)
-    python bench/abort_loop.py --runs 20 --cmd "python -m pytest -x -q tests/test_fsdp.py -k accumulation"
+    python bench/abort_loop.py --runs 20 --cmd "python -m pytest -x -q tests/distributed/test_fsdp.py -k accumulation"
 
 Each run gets a fresh output_dir (OUTPUT_DIR in --cmd is replaced by it), Python's faulthandler
 (stacks of every thread on SIGABRT / SIGSEGV) and torch's C++ stack traces, and torchrun's per-rank

@@ -1,4 +1,4 @@
-"""`hputrain train` whose data fails on one rank mid-run, for tests/test_resume.py: started by
+"""`hputrain train` whose data fails on one rank mid-run, for tests/checkpoint/test_resume.py: started by
 `hputrain launch`, each process runs the command line's own entry (hputrain.cli.main) with ARGS,
 after wrapping the batch source (data.batching.MicroBatches.iterate) so that rank RANK meets bad
 input (InputError: a row that cannot be read) at its CALL-th micro-batch, while the other ranks

@@ -1,4 +1,4 @@
-"""LoRA runs of a tiny Hugging Face Llama under strategy="fsdp", for tests/test_lora_checkpoint.py,
+"""LoRA runs of a tiny Hugging Face Llama under strategy="fsdp", for tests/checkpoint/test_lora_checkpoint.py,
 started by `hputrain launch`, one after the other in the same processes:
 
     fsdp_lora_script.py BASE_MODEL_DIR RUN [RUN ...]    RUN: OUTPUT_DIR,MAX_STEPS[,RESUME_FROM]

@@ -1,4 +1,4 @@
-"""A small GPT run under strategy="fsdp" for tests/test_fsdp.py, started by `hputrain launch`, by
+"""A small GPT run under strategy="fsdp" for tests/distributed/test_fsdp.py, started by `hputrain launch`, by
 plain python (the Trainer then launches itself, devices × num_nodes), or in-process as the
 single-process reference.
 

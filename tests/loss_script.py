@@ -1,5 +1,5 @@
 """Trains a tiny Hugging Face Llama (or the built-in GPT) on ragged, padded rows and saves its
-weights: run in one process or through `hputrain launch` (tests/test_loss.py). Arguments:
+weights: run in one process or through `hputrain launch` (tests/training/test_loss.py). Arguments:
 OUTPUT_DIR BATCH ACCUMULATE [llama|gpt]."""
 import sys
 

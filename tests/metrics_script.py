@@ -1,13 +1,13 @@
 """evaluate() with compute_metrics in every process of a launch: each rank evaluates its share of
 an evaluation set that does not split evenly, and compute_metrics must see the whole set once
-(tests/test_compute_metrics.py). Argument: OUTPUT_DIR; rank 0 writes metrics.json there."""
+(tests/training/test_compute_metrics.py). Argument: OUTPUT_DIR; rank 0 writes metrics.json there."""
 import json
 import sys
 from pathlib import Path
 
 from hputrain import Trainer, TrainingArguments
 from hputrain import metrics
-from tests.test_compute_metrics import EVAL_SIZE, Classifier, classes
+from tests.training.test_compute_metrics import EVAL_SIZE, Classifier, classes
 
 
 def counted_accuracy(eval_pred) -> dict:

@@ -1,4 +1,4 @@
-"""`hputrain` with the device running out of memory, for tests/test_out_of_memory.py: every
+"""`hputrain` with the device running out of memory, for tests/rehearsal/plan/test_out_of_memory.py: every
 process (each rank, when `--devices N` relaunches this script under `hputrain launch`) makes
 mark_step, which the Trainer calls after each micro-batch's backward and each optimizer step,
 raise torch's OutOfMemoryError in step STEP's backward, as a GPU's allocator does.

@@ -1,4 +1,4 @@
-"""One rank of a measured training step for tests/test_plan_accuracy.py, started by `hputrain
+"""One rank of a measured training step for tests/rehearsal/plan/test_plan_accuracy.py, started by `hputrain
 launch`: a 3-step run of hputrain's Trainer (DPOTrainer for a DPO step) on the run `hputrain train
 FLAGS` describes (random weights, one repeated batch), whose third step rehearsal.plan.StepPeak
 counts (rehearsal/plan/measure.py). Rank 0 writes {"peak_bytes", "breakdown"} to RESULT.

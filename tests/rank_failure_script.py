@@ -1,5 +1,5 @@
 """`hputrain train` on one rank of several, failing on purpose at a chosen point, for
-tests/test_rank_failure.py: started by `hputrain launch`, each process runs the command line's
+tests/distributed/test_rank_failure.py: started by `hputrain launch`, each process runs the command line's
 own entry (hputrain.cli.main) with ARGS, after wrapping one ProcessGroup method so that rank RANK
 raises bad input (InputError: one line, exit 2) at its CALL-th call of it, a moment after the
 other ranks went into that collective (they wait inside it when the failing rank ends).

@@ -1,5 +1,5 @@
 """Hugging Face model folders loaded shard by shard under strategy="fsdp", for
-tests/test_sharded_loading.py, started by `hputrain launch` on 2 processes:
+tests/recipes/test_sharded_loading.py, started by `hputrain launch` on 2 processes:
 
     sharded_loading_script.py OUTPUT_DIR CASE [CASE ...]    CASE: NAME,FOLDER[,lora][,ref][,ep][,ddp]
 

@@ -1,4 +1,4 @@
-"""A sharded training run for tests/test_sharded_checkpoint.py, started through `hputrain
+"""A sharded training run for tests/checkpoint/test_sharded_checkpoint.py, started through `hputrain
 launch` on the CPU with Gloo: the built-in GPT with one `fully_shard` per block and one on the
 root (FSDP2), checkpoints written as DCP shards. The global batch is 8 samples whatever the
 number of processes. Arguments: OUTPUT_DIR MAX_STEPS [RESUME_FROM].

@@ -1,4 +1,4 @@
-"""Stops delivered on purpose, for tests/test_stop_agreement.py: started by `hputrain launch` on 2
+"""Stops delivered on purpose, for tests/distributed/test_stop_agreement.py: started by `hputrain launch` on 2
 processes, it runs several cases one after another in the same processes, each in its own folder.
 
     stop_script.py OUT STRATEGY CASE [CASE ...]

@@ -199,6 +199,9 @@ def _train_here(argv: list[str], out: Path, capsys) -> Run:
     """`hputrain train` through the CLI's main in this process (one process: nothing can hang in
     a collective); a traceback is kept as the status and in the log."""
     capsys.readouterr()
+    # what this process had started before (an earlier test's wandb-core service, the
+    # multiprocessing resource tracker): they live as long as the process, by design
+    earlier = set(_children_now())
     start, status, trace = time.perf_counter(), None, ""
     try:
         status = main(["train", *argv, "--output-dir", str(out)])
@@ -206,7 +209,7 @@ def _train_here(argv: list[str], out: Path, capsys) -> Run:
         status, trace = f"raised {type(exc).__name__}", traceback.format_exc()
     captured = capsys.readouterr()
     log = captured.out + captured.err + trace
-    children = _children_now()
+    children = [child for child in _children_now() if child not in earlier]
     if children and status == 0:
         status = "returned 0 but left child processes behind"
     log += "".join(f"\nleft behind: {line}" for line in children)

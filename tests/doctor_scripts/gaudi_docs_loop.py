@@ -3,7 +3,7 @@ FusedClipNorm, FusedSDPA), htcore.mark_step() after backward and after the optim
 running loss kept on the device and read only on logging steps, every LOG_EVERY steps.
 `python gaudi_docs_loop.py` builds its attention on FusedSDPA; `python gaudi_docs_loop.py encoder`
 uses torch's own nn.TransformerEncoderLayer instead. `hputrain doctor` finds nothing in either
-(tests/test_doctor_gaudi_loop.py)."""
+(tests/rehearsal/doctor/test_doctor_gaudi_loop.py)."""
 import sys
 
 import torch

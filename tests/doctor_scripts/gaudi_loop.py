@@ -1,7 +1,7 @@
 """A plain training loop written for Gaudi, as Intel's docs teach it: habana_frameworks, the hpu
 device, htcore.mark_step() after backward and after the optimizer step. `python gaudi_loop.py
 MISTAKE` adds one classic mistake (see MISTAKES); no argument is the clean loop. The doctor tests
-(tests/test_doctor_gaudi_loop.py) name lines of this file: keep the marked lines where they are,
+(tests/rehearsal/doctor/test_doctor_gaudi_loop.py) name lines of this file: keep the marked lines where they are,
 or update LINES there."""
 import sys
 

@@ -12,7 +12,7 @@ from hputrain.kinds.moe.experts.parallel import dispatch_slots
 from ... import expert_parallel_script
 from ...hf_fixtures import llama_folder, write_text_file  # noqa: F401
 from ...moe_fixtures import mixtral_folder, moe_folders  # noqa: F401
-from ...test_distributed import hputrain_launch
+from ...distributed.test_distributed import hputrain_launch
 
 SCRIPT = str(Path(__file__).parents[2] / "expert_parallel_script.py")
 
@@ -230,7 +230,7 @@ def _cli(*argv):
     import subprocess
     import sys
 
-    from ...test_distributed import ENV, ROOT
+    from ...distributed.test_distributed import ENV, ROOT
 
     return subprocess.run([sys.executable, "-m", "hputrain.cli", "train", *map(str, argv)],
                           capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)

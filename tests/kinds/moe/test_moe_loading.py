@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ...moe_fixtures import moe_folders, mxfp4_folder, tiny_moe_config, to_mxfp4  # noqa: F401
-from ...test_distributed import ROOT, hputrain_launch
-from ...test_sharded_loading import assert_bit_equal, launch, reference
+from ...distributed.test_distributed import ROOT, hputrain_launch
+from ...recipes.test_sharded_loading import assert_bit_equal, launch, reference
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")

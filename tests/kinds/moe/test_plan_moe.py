@@ -110,7 +110,7 @@ def test_expert_parallel_on_2_processes_is_within_10_percent_of_the_measured_ste
                                                                                   tmp_path):
     """The experts split over 2 Gloo ranks (fsdp or ddp on the rest): the send and receive
     buffers, the received rows' intermediates and each rank's experts, as rank 0 holds them."""
-    from ...test_plan_accuracy import check
+    from ...rehearsal.plan.test_plan_accuracy import check
 
     planned_, measured_ = check(flags(mixtral_folder, "--expert-parallel-size", "2",
                                       "--strategy", strategy), tmp_path)

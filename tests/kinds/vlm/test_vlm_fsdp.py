@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ... import vlm_fsdp_script as script
-from ...test_distributed import ROOT, hputrain_launch
-from ...test_sharded_loading import assert_no_whole_parameter_read
+from ...distributed.test_distributed import ROOT, hputrain_launch
+from ...recipes.test_sharded_loading import assert_no_whole_parameter_read
 from ...vlm_fixtures import image_data, vlm_folders  # noqa: F401
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ from hputrain.rehearsal.plan import plan
 
 from ...hf_fixtures import llama_config, on_cpu  # noqa: F401  (fixtures: llama, on_cpu)
 from ...plan_step_script import measured, planned, settings
-from ...test_distributed import hputrain_launch
+from ...distributed.test_distributed import hputrain_launch
 
 transformers = pytest.importorskip("transformers")
 SCRIPT = str((Path(__file__).parents[2] / "plan_step_script.py"))

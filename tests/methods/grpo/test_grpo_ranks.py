@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ...hf_fixtures import tiny_llama_folder
-from ...test_distributed import hputrain_launch
+from ...distributed.test_distributed import hputrain_launch
 
 pytest.importorskip("transformers", reason="GRPO fine-tunes Hugging Face models")
 

@@ -134,10 +134,13 @@ class HFRehearsal(Rehearsal):
 
 
 def _forget_hpu_answers() -> None:
-    """transformers caches is_torch_hpu_available(): clear it, so it asks again."""
-    module = sys.modules.get("transformers.utils.import_utils")
-    if module is not None:
-        module.is_torch_hpu_available.cache_clear()
+    """transformers caches is_torch_hpu_available() and accelerate is_hpu_available() (which the
+    Trainer's device comes from): clear both, so that they ask again."""
+    for name, function in (("transformers.utils.import_utils", "is_torch_hpu_available"),
+                           ("accelerate.utils.imports", "is_hpu_available")):
+        cached = getattr(sys.modules.get(name), function, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 class _ThenCall(importlib.abc.MetaPathFinder):

@@ -1,4 +1,4 @@
-"""The real step a plan is checked against (bench/plan_accuracy.py, tests/test_plan_accuracy.py):
+"""The real step a plan is checked against (bench/plan_accuracy.py, tests/rehearsal/plan/test_plan_accuracy.py):
 a 3-step run of hputrain's Trainer on the model a StepModel builds (random weights) and batches of
 its shape, whose third step StepPeak counts (rehearsal/plan/tracking.py). A packed step's blocks
 (rehearsal.plan.packed_step) carry their position_ids and seq_lens, as the run's blocks do; an
