@@ -16,6 +16,7 @@ from ..config.flags import add_dataclass_flags
 from ..config.sections import help_groups
 from ..errors import InputError
 from ..recipes import HFOptions, RecipeOptions, chosen_recipe
+from ..models.kind import registered
 from ..recipes.hf.methods import registered_methods, shared_names
 
 
@@ -38,7 +39,7 @@ def add_train_flags(p) -> None:
     add_dataclass_flags(p, RecipeOptions, "the built-in GPT recipe (without --model)")
     shared = shared_names()  # beta and loss_type: several methods', said in the recipe's group
     methods = tuple((m.help_title, frozenset(f.name for f in dataclasses.fields(m.flags)) - shared)
-                    for m in registered_methods() if m.help_title and m.flags is not None)
+                    for m in (*registered_methods(), *registered()) if m.help_title and m.flags is not None)
     add_dataclass_flags(p, HFOptions, (("the Hugging Face recipe (--model DIR --dataset PATH)", None),
                                        *methods))
     add_dataclass_flags(p, TrainingArguments,

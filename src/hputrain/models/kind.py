@@ -18,6 +18,14 @@ class ModelKind:
     """The hooks a model kind implements (see the module docstring); here, a dense decoder's."""
 
     name = "dense"
+    flags: type | None = None
+    """The dataclass of its own settings, each a flag of `hputrain train --model` (the Hugging Face
+    recipe's options inherit them), checked by `check_flags`; None: none."""
+    help_title: str | None = None
+    """The title its flags go under in --help."""
+
+    def check_flags(self, options) -> None:
+        """One line (ConfigError) for a flag of its own given a value it never takes."""
 
     def matches(self, config) -> bool:
         """Whether a model of this transformers config (None: not a Hugging Face model) is one."""

@@ -1,6 +1,7 @@
 """Image-text-to-text models: the kind's hooks for the core (models/kind.py), and its parts.
 
-- family.py: the covered families and what differs between them;
+- config.py: its flags (--train-vision-tower, --image-buckets, ...); family.py: the covered
+  families and what differs between them;
 - data/: TRL's vision rows read, images decoded and resized into buckets, packed into blocks of
   fixed shapes (S tokens, K image slots);
 - execution.py: the static image merge swapped into the model;
@@ -12,11 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...models.kind import ModelKind
+from .config import ImageFlags, check_image_flags
 from .family import describe, image_token_id, is_image_text_to_text, vision_family
 
 
 class ImageTextToText(ModelKind):
     name = "vlm"
+    flags = ImageFlags
+    help_title = "image-text-to-text models (a folder with an image processor)"
+
+    def check_flags(self, options) -> None:
+        check_image_flags(options)
 
     def matches(self, config) -> bool:
         return is_image_text_to_text(config) or vision_family(config) is not None

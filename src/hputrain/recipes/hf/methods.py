@@ -147,11 +147,13 @@ def shared_names() -> frozenset[str]:
 
 def options_class() -> type:
     """HFOptions: the recipe's own fields (recipes/hf/options.py) with every registered method's
-    flags; a name two methods share defaults to None, its help saying each one's meaning."""
+    and model kind's flags; a name two methods share defaults to None, its help saying each one's
+    meaning."""
     if not _OPTIONS:
+        from ...models.kind import registered
         from .options import compose
 
-        _OPTIONS.append(compose(_METHODS, shared_names()))
+        _OPTIONS.append(compose(_METHODS, shared_names(), registered()))
     return _OPTIONS[0]
 
 

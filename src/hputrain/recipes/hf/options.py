@@ -7,10 +7,11 @@ import dataclasses
 from ...config.fields import ConfigError, check_choice, field_docs
 
 
-def compose(methods, shared: frozenset[str]) -> type:
-    """HFOptions: `RecipeSettings` and each method's flags; a name in `shared` (two methods')
-    defaults to None, its help naming what it is to each."""
-    flags = [m.flags for m in methods if m.flags is not None]
+def compose(methods, shared: frozenset[str], kinds=()) -> type:
+    """HFOptions: `RecipeSettings`, each method's flags and each model kind's (models/kind.py's
+    `ModelKind.flags`: an image model's); a name in `shared` (two methods') defaults to None, its
+    help naming what it is to each."""
+    flags = [owner.flags for owner in (*methods, *kinds) if owner.flags is not None]
     own, docs = [], {}
     for name in sorted(shared):
         takers = [(m, next(f for f in dataclasses.fields(m.flags) if f.name == name))
@@ -23,7 +24,7 @@ def compose(methods, shared: frozenset[str]) -> type:
     options.__doc__ = ("The Hugging Face recipe's settings, beside TrainingArguments: its own and "
                        "each method's (the names two share resolved by the method taken).")
     options.__field_docs__ = docs
-    options.methods = tuple(methods)
+    options.methods, options.kinds = tuple(methods), tuple(kinds)
     return options
 
 
@@ -31,7 +32,7 @@ def compose(methods, shared: frozenset[str]) -> type:
 class RecipeSettings:
     """The Hugging Face recipe's own settings (HFOptions adds the methods')."""
 
-    methods = ()  # not a field: the methods whose flags HFOptions holds, which check them
+    methods = kinds = ()  # not fields: the methods and kinds whose flags HFOptions holds, which check them
 
     model: str | None = None
     """A local Hugging Face model folder (config.json, weights, tokenizer files) to fine-tune, or a
@@ -91,25 +92,6 @@ class RecipeSettings:
     """Module names to adapt (q_proj v_proj ...); unset means peft's choice for the architecture, else
     all-linear; on a mixture of experts, every linear layer but the routers. There "experts" adapts
     the experts' fused weights (PEFT's target_parameters) and a router's name (gate) the router."""
-    train_vision_tower: bool = False
-    """An image-text-to-text model: train the vision tower too (under LoRA, adapters on its
-    linear layers); by default it is frozen."""
-    train_projector: bool | None = None
-    """An image-text-to-text model: train the projector (vision features into the text width);
-    unset means yes for full fine-tuning, no under LoRA (where it is then trained whole)."""
-    image_buckets: list[str] | None = None
-    """Image sizes, WIDTHxHEIGHT, each image is resized into (the nearest in shape): each a fixed
-    number of image tokens; unset means the processor's one size (LLaVA, Gemma 3), or three of
-    equal token count, square, wide and tall (Qwen2.5-VL). Every bucket must give the same count."""
-    image_slots: int | None = None
-    """Images per packed block (the vision tower's fixed batch, padded with blank images); unset
-    means the mean images per block of the packed data, at least the most of one example."""
-    skip_bad_rows: bool = False
-    """Image data: leave out the rows whose image is missing or cannot be decoded (a truncated
-    file), counted in the header with the first one's reason; by default the first such row ends
-    the run before its first step, in one line naming it (every image is decoded while the data
-    set is encoded)."""
-
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("model must name a local Hugging Face model folder")
@@ -130,12 +112,10 @@ class RecipeSettings:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
         if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.image_slots is not None and self.image_slots < 1:
-            raise ConfigError(f"image_slots must be at least 1, got {self.image_slots}")
         if self.lora_target_modules is not None and not self.lora_target_modules:
             raise ConfigError("--lora-target-modules needs at least one module name (or leave it out)")
-        for method in self.methods:
-            method.check_flags(self)
+        for owner in (*self.methods, *self.kinds):
+            owner.check_flags(self)
 
 
 def _shapes() -> str:
