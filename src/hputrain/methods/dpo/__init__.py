@@ -7,8 +7,6 @@ recipe asks it (recipes/hf/methods.py), and its parts.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ...errors import InputError
 from ...recipes.hf.methods import Method, is_preference, method_named
 from .config import DPO_DEFAULTS, PreferenceOptions, check_preference
@@ -39,13 +37,8 @@ class DPO(Method):
         reference = options.ref_model and not method_named(taken).uses_reference
         return super().flags_given(options, taken) + (["ref_model"] if reference else [])
 
-    def resolve(self, options):
-        defaults = PreferenceOptions()
-        options = dataclasses.replace(
-            options, beta=defaults.beta if options.beta is None else options.beta,
-            loss_type=defaults.loss_type if options.loss_type is None else options.loss_type)
+    def check(self, options) -> None:
         check_preference(options)
-        return options
 
     def references(self, options) -> bool:
         return True

@@ -8,11 +8,9 @@ method as the Hugging Face recipe asks it (recipes/hf/methods.py), and its parts
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ...errors import InputError
 from ...recipes.hf.methods import Method, is_prompts
-from .config import GRPO_DEFAULTS, GRPOFlags, GRPOOptions, check_grpo
+from .config import GRPO_DEFAULTS, GRPOFlags, check_grpo
 
 
 class GRPO(Method):
@@ -52,13 +50,8 @@ class GRPO(Method):
                 f"{options.dataset} holds " + ("preference pairs" if taken == "dpo" else
                                                "no prompt-only rows"))
 
-    def resolve(self, options):
-        defaults = GRPOOptions()
-        options = dataclasses.replace(
-            options, beta=defaults.beta if options.beta is None else options.beta,
-            loss_type=defaults.loss_type if options.loss_type is None else options.loss_type)
+    def check(self, options) -> None:
         check_grpo(options)
-        return options
 
     def references(self, options) -> bool:
         return options.beta > 0  # a reference only for the KL penalty

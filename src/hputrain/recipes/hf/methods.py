@@ -71,9 +71,19 @@ class Method:
         return f"--{flag} is for {self.data_words} ({self.label}), and --dataset {options.dataset} holds none"
 
     def resolve(self, options):
-        """`options` with the shared names this method takes set to its defaults where not given,
-        its settings checked (one line)."""
+        """`options` with the shared names its flags hold set to its defaults where not given
+        (beta: DPO's 0.1, GRPO's 0.0), its settings checked (`check`)."""
+        if self.flags is None:
+            return options
+        defaults, own = self.flags(), {f.name for f in dataclasses.fields(self.flags)}
+        options = dataclasses.replace(options, **{
+            name: getattr(defaults, name) for name in shared_names() & own
+            if getattr(options, name) is None})
+        self.check(options)
         return options
+
+    def check(self, options) -> None:
+        """Its settings valid (ConfigError, one line, otherwise), once `resolve` has set them."""
 
     def references(self, options) -> bool:
         """Whether the run needs a frozen reference model beside the policy."""
