@@ -133,6 +133,11 @@ def registered() -> list[ModelKind]:
     return list(_KINDS)
 
 
+def own_recipes() -> list:
+    """The recipes of the registered kinds that have one of their own (`ModelKind.recipe`)."""
+    return [own for kind in _KINDS if (own := kind.recipe()) is not None]
+
+
 def kinds_of(config) -> list[ModelKind]:
     """The registered kinds a model of this config is (none: a dense decoder)."""
     return [kind for kind in _KINDS if config is not None and kind.matches(config)]

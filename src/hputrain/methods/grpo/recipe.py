@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from .config import GRPOConfig, grpo_values
+from .rewards import COMPLETIONS_FILE
 from ...errors import InputError
 from ...recipes.hf import data as hf_data
 from ...recipes.hf.common import held_out, model_line
@@ -41,7 +42,7 @@ def run_grpo(options, training_args, accelerator_config, folder: Path, model, to
     def header() -> str:
         return _header(options, model, trainer, len(rows), ref_folder) + _validation_line(options, validation)
 
-    completions = Path(training_args.output_dir) / "completions.jsonl"
+    completions = Path(training_args.output_dir) / COMPLETIONS_FILE
     return train_and_finish(trainer, header, {"recipe": dataclasses.asdict(options), "method": "grpo"},
                             lambda final: f"completions and their rewards: {completions}")
 

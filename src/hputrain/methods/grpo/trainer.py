@@ -36,7 +36,7 @@ from .loss import group_advantages, grpo_loss, logged_means, logging_average, re
 from ...training.intervals import total_steps_of
 from ...training.logps import token_logps
 from ...training.objective import Objective, adapters_disabled
-from .rewards import CompletionsLog, RewardFunctions, RewardState, completion_for, conversational
+from .rewards import COMPLETIONS_FILE, CompletionsLog, RewardFunctions, RewardState, completion_for, conversational
 from .rollout import Layout, Rollouts
 from ...training.trainer import Trainer
 
@@ -183,7 +183,7 @@ class GRPOObjective(Objective):
                                          buckets=tuple(cfg.prompt_buckets),
                                          graphs=cfg.use_graphs_for_inference)
         # the run's output_dir (loop.args'), which the doctor moves to its own folder (for_rehearsal)
-        self.log = (CompletionsLog(f"{loop.args.output_dir}/completions.jsonl") if group.is_main else None)
+        self.log = (CompletionsLog(f"{loop.args.output_dir}/{COMPLETIONS_FILE}") if group.is_main else None)
 
     def count_tokens(self, model):
         return RolloutCount()

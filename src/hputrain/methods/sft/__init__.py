@@ -3,11 +3,10 @@ method as the Hugging Face recipe asks it (recipes/hf/methods.py), and its data 
 encoded through the chat template, cached, packed without cross-talk or padded to a few lengths).
 
 Its rows train through the causal LM's run (recipes/hf's train_blocks, the Trainer's own loss);
-the recipe asks this method for the rows whose shape it names (`row_formats`).
+the recipe asks this method for the rows whose shape it names (`words`).
 """
 from __future__ import annotations
 
-from ...data.sft import FORMATS
 from ...recipes.hf.methods import Method
 
 
@@ -15,7 +14,6 @@ class SFT(Method):
     name = "sft"
     label = "SFT"
     data_words = "chat and instruction rows"
-    row_formats = FORMATS
     words = {"messages": "SFT on conversations ('messages')",
              "conversations": "SFT on ShareGPT conversations ('conversations')",
              "prompt_completion": "SFT on prompt-completion pairs ('prompt', 'completion')"}

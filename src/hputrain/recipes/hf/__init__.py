@@ -72,13 +72,10 @@ def method_defaults(options) -> dict:
 def kind_recipe(folder: Path, options):
     """The recipe of the model's kind that trains `folder` on --dataset its own way (models/kind.py's
     `recipe`: an image-text-to-text model's), or None: the methods' (an uncovered family: one line)."""
-    from ...models.kind import registered
+    from ...models.kind import own_recipes
 
-    for kind in registered():
-        own = kind.recipe()
-        if own is not None and own.takes(folder, options.base_model, options.dataset):
-            return own
-    return None
+    return next((own for own in own_recipes()
+                 if own.takes(folder, options.base_model, options.dataset)), None)
 
 
 @dataclasses.dataclass
@@ -257,11 +254,10 @@ def step_model(options):
         raise InputError(f"--model {folder}: config.json cannot be read: {_first_line(exc)}") from None
     longest = getattr(config.get_text_config(), "max_position_embeddings", None) or 1024
     block = options.block_size or min(1024, longest)
-    from ...models.kind import registered
+    from ...models.kind import own_recipes
 
-    for kind in registered():  # a kind that plans its own step (image blocks: kinds/vlm/plan.py)
-        own = kind.recipe()
-        if own is not None and own.plans(config):
+    for own in own_recipes():  # a kind that plans its own step (image blocks: kinds/vlm/plan.py)
+        if own.plans(config):
             return own.step_model(folder, config, options, block)
 
     def build(lora: bool):

@@ -30,8 +30,10 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
     if target.resolve() in (folder.resolve(), base.resolve()):
         raise InputError(f"--output {output} is the folder merged from: choose a new folder")
     # image-text-to-text, written with its processor (a folder without one: the causal-LM path)
-    own = _kind_recipe(folder, base_model)
-    if own is not None:
+    from ...models.kind import own_recipes
+
+    own = next((own for own in own_recipes() if own.merges(folder, base_model)), None)
+    if own is not None:  # the kind's own way (kinds/vlm: with its processor)
         merged, tokenizer = own.merged(folder, base_model)
     else:
         merged, tokenizer = load_model(folder, base_model=base_model, flag="--merge", merge=True,
@@ -41,18 +43,6 @@ def export_merged(adapter: str, output: str, base_model: str | None = None) -> P
         merged = merged.to(dtype)
         merged.config.dtype = dtype
     return save_model(merged, target, tokenizer)
-
-
-def _kind_recipe(folder: Path, base_model: str | None):
-    """The recipe of the model's kind that merges `folder` its own way (models/kind.py's `recipe`:
-    an image-text-to-text model's, with its processor), or None."""
-    from ...models.kind import registered
-
-    for kind in registered():
-        own = kind.recipe()
-        if own is not None and own.merges(folder, base_model):
-            return own
-    return None
 
 
 def _stored_dtype(base: Path):

@@ -365,14 +365,9 @@ def _load_folder(folder: Path, from_scratch: bool, flag: str, sharded: bool = Fa
 def _other_model(config) -> str | None:
     """What the model of `config` is, when a kind with its own recipe says AutoModelForCausalLM
     does not load it (an image-text-to-text model's words); None: it loads."""
-    from ...models.kind import registered
+    from ...models.kind import own_recipes
 
-    for kind in registered():
-        own = kind.recipe()
-        words = own.refusal(config) if own is not None else None
-        if words is not None:
-            return words
-    return None
+    return next((words for own in own_recipes() if (words := own.refusal(config)) is not None), None)
 
 
 def check_vocabulary(model, tokenizer, folder: Path, flag: str = "--model") -> None:

@@ -42,11 +42,9 @@ class Method:
     """Whether --ref-model means something to it."""
     trains_blocks = True
     """Whether it trains through the causal LM's run (`train_blocks`: text blocks, packed rows)."""
-    row_formats: tuple[str, ...] = ("text",)
-    """The row shapes whose rows it reads for the causal LM's run (load_data): text here, chat
-    and instruction rows (SFT's)."""
     words = {"text": "causal LM on packed text"}
-    """What the run header calls it, by row shape."""
+    """The row shapes whose rows it reads for the causal LM's run (load_data: text here, chat and
+    instruction rows SFT's), and what the run header calls it on each."""
 
     def claims(self, columns: list[str], options) -> bool:
         """Whether data of these columns, with these flags, is this method's (--method auto)."""
@@ -102,7 +100,7 @@ class Method:
 
     def load_rows(self, path: str, fmt: str, tokenizer, block_size: int, options, *, cache_dir,
                   tokenizer_folder=None, split: str = "train"):
-        """Rows of the shape `fmt` (one of `row_formats`, not text) as the blocks or rows the
+        """Rows of the shape `fmt` (one of `words`, not text) as the blocks or rows the
         causal LM's run trains on, with what the header says of them (describe_rows)."""
         raise NotImplementedError
 
@@ -145,7 +143,7 @@ def method_named(name: str) -> Method:
 
 def rows_method(fmt: str) -> Method:
     """The method whose rows have the shape `fmt` ("text": the causal LM's)."""
-    return next(m for m in _METHODS if fmt in m.row_formats)
+    return next(m for m in _METHODS if fmt in m.words)
 
 
 def shared_names() -> frozenset[str]:
